@@ -1,0 +1,401 @@
+"""Stage 2 of PPO-RLHF: the reward model.
+
+A copy of the SFT model with a scalar head instead of the language-model head learns to score prompt + response so
+that the preferred response of each pair scores higher (InstructGPT eq. 1, a Bradley-Terry model of preferences):
+
+    loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))          (rlhf_math.pairwise_reward_loss)
+
+The score of a sequence is the head's output at its last real token, the EOS that ends the response: the same
+place where ppo.py reads it and where its score lands. After training, the mean score of prompt + chosen over the
+training data is stored in the checkpoint's config.json as `reward_mean`; ppo.py subtracts it so that the rewards
+are centred at 0 (reward normalization, "The N+ implementation details of RLHF with PPO", detail 15).
+
+    python reward_model.py                                   # the bundled toy task, from checkpoints/sft
+    deepspeed --num_gpus 2 reward_model.py --zero-stage 3    # the same, on 2 ranks with ZeRO-3
+"""
+
+import math
+import os
+import random
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import datasets
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from deepspeed.accelerator import get_accelerator
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers.integrations import HfDeepSpeedConfig
+
+import rlhf_math
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "reward_model"
+    """the name of this experiment, the first part of the run name"""
+    seed: int = 1
+    """seed of the experiment (data order, initialisation of the head)"""
+    output_dir: str = "checkpoints/reward_model"
+    """where the reward model is saved, as a Hugging Face folder (safetensors + tokenizer)"""
+    track: bool = False
+    """log to Weights & Biases (tensorboard logs are always written to runs/)"""
+    wandb_project_name: str = "ppo-rlhf"
+    """the wandb project, with --track"""
+    logging_steps: int = 10
+    """print and log the train loss and accuracy every this many optimizer steps"""
+
+    # Model and data
+    model_name_or_path: str = "checkpoints/sft"
+    """the model the reward model starts from: the SFT checkpoint (stage 1), a hub name or a local folder"""
+    tokenizer_name_or_path: str | None = None
+    """the tokenizer, if not the model's own"""
+    dataset: str = "toy_task/data"
+    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder"""
+    train_split: str = "train"
+    """the split to train on"""
+    eval_split: str = "test"
+    """the held-out split for accuracy"""
+    prompt_column: str = "prompt"
+    """the column that holds the prompt"""
+    chosen_column: str = "chosen"
+    """the column that holds the preferred response"""
+    rejected_column: str = "rejected"
+    """the column that holds the other response"""
+    max_seq_len: int = 64
+    """longest prompt + response + EOS, in tokens; pairs with a longer side are dropped (and counted), never truncated"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers whose code comes with their hub repository"""
+
+    # Optimization
+    num_train_epochs: int = 1
+    """passes over the training pairs"""
+    per_device_train_batch_size: int = 16
+    """pairs per rank per micro-batch (each pair is two sequences)"""
+    per_device_eval_batch_size: int = 32
+    """pairs per rank per evaluation batch"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    learning_rate: float = 2e-4
+    """peak learning rate of AdamW (the toy default; real models of 1B parameters want about 1e-5)"""
+    warmup_ratio: float = 0.05
+    """share of the optimizer steps spent warming the learning rate up, before its cosine decay to 0"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    gradient_clipping: float = 1.0
+    """clip the gradient norm to this"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about a third more compute"""
+    disable_dropout: bool = True
+    """set every dropout probability to 0 (the RLHF convention; --no-disable-dropout keeps the model's own)"""
+
+    # DeepSpeed
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters"""
+    offload: bool = False
+    """offload optimizer states (and, at ZeRO-3, parameters) to CPU memory"""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """training precision; fp16 needs a GPU"""
+    local_rank: int = -1
+    """this process's rank on its node, passed by the deepspeed launcher"""
+
+    # Filled in at runtime
+    world_size: int = 0
+    """number of ranks"""
+    batch_size: int = 0
+    """pairs per optimizer step: per_device_train_batch_size x gradient_accumulation_steps x world_size"""
+    num_training_steps: int = 0
+    """optimizer steps in the whole run"""
+
+
+def fail(message: str) -> None:
+    """Stop with a one-line message that says what to fix, instead of a stack trace from inside a library."""
+    raise SystemExit(f"reward_model.py: error: {message}")
+
+
+def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset:
+    """One split of a hub data set or of local .json/.jsonl/.parquet files, checked for the columns we need."""
+    if os.path.isfile(dataset):
+        kind = "parquet" if dataset.endswith(".parquet") else "json"
+        data = datasets.load_dataset(kind, data_files={split: dataset}, split=split)
+    else:
+        try:
+            data = datasets.load_dataset(dataset, split=split)
+        except (FileNotFoundError, ValueError) as error:
+            fail(f"cannot load split {split!r} of data set {dataset!r} ({error}); check --dataset and the split flags")
+    missing = [c for c in columns if c not in data.column_names]
+    if missing:
+        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
+    return data
+
+
+def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
+    """Each pair as two token-id lists, prompt + chosen + EOS and prompt + rejected + EOS.
+
+    Prompt and response are tokenized separately and their ids concatenated, as sft.py and ppo.py do, so that the
+    reward model sees exactly the token sequences that the policy produces.
+    """
+    examples, too_long = [], 0
+    for i, row in enumerate(data):
+        for column in [args.prompt_column, args.chosen_column, args.rejected_column]:
+            if not isinstance(row[column], str) or not row[column].strip():
+                fail(f"row {i} of split {split!r} has an empty {column!r}; remove or fill it")
+        prompt_ids = tokenizer(row[args.prompt_column])["input_ids"]
+        sides = []
+        for column in [args.chosen_column, args.rejected_column]:
+            response_ids = tokenizer(row[column], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            sides.append(prompt_ids + response_ids)
+        if max(len(s) for s in sides) > args.max_seq_len:
+            too_long += 1
+            continue
+        examples.append({"chosen": sides[0], "rejected": sides[1]})
+    if too_long and args.local_rank <= 0:
+        print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len {args.max_seq_len}")
+    if not examples:
+        fail(f"no pair of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")
+    return examples
+
+
+def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """B pairs -> one right-padded batch of 2B sequences: the B chosen first, then the B rejected."""
+    sequences = [e["chosen"] for e in examples] + [e["rejected"] for e in examples]
+    length = max(len(s) for s in sequences)
+    input_ids = [s + [pad_token_id] * (length - len(s)) for s in sequences]
+    attention_mask = [[1] * len(s) + [0] * (length - len(s)) for s in sequences]
+    return {"input_ids": torch.tensor(input_ids), "attention_mask": torch.tensor(attention_mask)}
+
+
+def deepspeed_config(args: Args) -> dict:
+    """The DeepSpeed config of a trained model (optimizer and scheduler are passed to deepspeed.initialize)."""
+    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if args.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.gradient_clipping,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "fp16": {"enabled": args.dtype == "fp16"},
+        "steps_per_print": 10**9,
+    }
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The reward r(x, y) of each right-padded sequence: the scalar head at its last real token (the EOS).
+
+    The head is applied at every position ([B, T] scores, one after each prefix) and read at the last one, instead of
+    letting Hugging Face pool it, so that this is visibly the same computation as ppo.py's.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, hidden]
+    scores = model.score(hidden).squeeze(-1).float()  # [B, T]
+    last = attention_mask.sum(dim=1) - 1  # right padding: the index of the last real token
+    return scores[torch.arange(len(scores), device=scores.device), last]
+
+
+@torch.no_grad()
+def evaluate(engine, loader, device) -> dict[str, float]:
+    """Held-out accuracy, loss and mean chosen/rejected scores over every rank's share of the split."""
+    engine.eval()
+    total = torch.zeros(5, device=device)  # [loss x pairs, correct pairs, chosen score sum, rejected score sum, pairs]
+    for batch in loader:
+        scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        chosen, rejected = scores.chunk(2)
+        loss, accuracy = rlhf_math.pairwise_reward_loss(chosen, rejected)
+        n = len(chosen)
+        total += torch.stack([loss * n, accuracy * n, chosen.sum(), rejected.sum(), torch.tensor(float(n))])
+    dist.all_reduce(total)
+    engine.train()
+    n = total[4].item()
+    return {"loss": total[0].item() / n, "accuracy": total[1].item() / n,
+            "chosen_score": total[2].item() / n, "rejected_score": total[3].item() / n}
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+
+    # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args.local_rank = int(os.environ["LOCAL_RANK"])
+    if args.dtype == "fp16" and get_accelerator().device_name() == "cpu":
+        fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
+    get_accelerator().set_device(args.local_rank)
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    args.world_size = dist.get_world_size()
+    is_main = dist.get_rank() == 0
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    # Tokenizer. Padding must not be EOS: the score is read at the EOS, which must not look like padding.
+    tokenizer_path = args.tokenizer_name_or_path or args.model_name_or_path
+    if not os.path.isdir(tokenizer_path) and os.path.sep in tokenizer_path:
+        fail(f"no model or tokenizer folder at {tokenizer_path!r}; train stage 1 first (python sft.py) or check --model-name-or-path")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        fail(f"the tokenizer of {tokenizer_path!r} has no EOS token; set one, or pick another with --tokenizer-name-or-path")
+    added_pad_token = tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id
+    if added_pad_token:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+        if is_main:
+            print(f"the tokenizer had no pad token distinct from EOS: added '<|pad|>' (id {tokenizer.pad_token_id})")
+
+    # Data
+    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
+    train_data = tokenize_pairs(load_split(args.dataset, args.train_split, columns), tokenizer, args, "train")
+    eval_data = tokenize_pairs(load_split(args.dataset, args.eval_split, columns), tokenizer, args, "eval")
+    collate_fn = lambda examples: collate(examples, tokenizer.pad_token_id)  # noqa: E731
+    train_sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
+    train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler, collate_fn=collate_fn)
+    # Each rank evaluates every world_size-th example, so that the held-out figures cover the split exactly once.
+    eval_loader = DataLoader(eval_data[dist.get_rank() :: args.world_size], args.per_device_eval_batch_size,
+                             collate_fn=collate_fn)
+    args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    steps_per_epoch = len(train_loader) // args.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        fail(f"{len(train_data)} training pairs make no optimizer step of {args.batch_size} pairs; lower the batch size")
+    args.num_training_steps = steps_per_epoch * args.num_train_epochs
+
+    # Model: the SFT model with a freshly initialised scalar head (num_labels=1), so that the saved reward model loads
+    # in any tool that reads Hugging Face reward models. Under ZeRO-3, HfDeepSpeedConfig (kept alive until
+    # deepspeed.initialize) makes from_pretrained load the weights already partitioned across ranks.
+    ds_config = deepspeed_config(args)
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero_stage == 3 else None  # noqa: F841
+    config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code, num_labels=1)
+    if args.disable_dropout:
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+    )
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        fail(f"{type(model).__name__} has no linear `score` head; use a model whose sequence-classification head is "
+             "called `score` (Llama, Mistral, Qwen, GPT-NeoX/Pythia, OPT, GPT-2, ...)")
+    if added_pad_token:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    # The head starts at N(0, 1/sqrt(hidden + 1)) (Stiennon et al. 2020; "N+ implementation details", detail 11), so
+    # that the initial scores are small. Under ZeRO-3 the weight is a shard: gather it, let rank 0 write it.
+    with deepspeed.zero.GatheredParameters([model.score.weight], modifier_rank=0):
+        torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
+    if args.gradient_checkpointing:
+        model.config.use_cache = False
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # With --offload the optimizer step runs on the CPU, and DeepSpeed wants its own vectorised CPU Adam there.
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if args.offload else torch.optim.AdamW
+    optimizer = adam(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, int(args.warmup_ratio * args.num_training_steps), args.num_training_steps
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine.train()  # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode
+
+    # Logging: tensorboard always, wandb with --track, and the hyperparameters as a table.
+    writer = None
+    if is_main:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, name=run_name, config=asdict(args), sync_tensorboard=True)
+        writer = SummaryWriter(f"runs/{run_name}")
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        print(f"{len(train_data)} train / {len(eval_data)} eval pairs; {args.num_training_steps} optimizer steps "
+              f"of {args.batch_size} pairs")
+
+    # TRAINING LOOP
+    start_time = time.time()
+    step = 0
+    progress = tqdm(total=args.num_training_steps, desc="reward model", disable=not is_main)
+    for epoch in range(args.num_train_epochs):
+        train_sampler.set_epoch(epoch)
+        running = torch.zeros(2, device=device)  # [loss, accuracy] summed over micro-batches
+        for micro_step, batch in enumerate(train_loader):
+            if micro_step >= steps_per_epoch * args.gradient_accumulation_steps:
+                break  # a last, incomplete accumulation would take a step on fewer pairs
+            # ALGO LOGIC: score chosen and rejected in one forward pass, then the pairwise (Bradley-Terry) loss.
+            scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            chosen_scores, rejected_scores = scores.chunk(2)
+            loss, accuracy = rlhf_math.pairwise_reward_loss(chosen_scores, rejected_scores)
+            if not torch.isfinite(loss):
+                fail(f"the loss became {loss.item()} at step {step}; lower --learning-rate or use --dtype fp32")
+            engine.backward(loss)
+            engine.step()  # steps the optimizer and scheduler only at the end of each accumulation
+            running += torch.stack([loss.detach(), accuracy])
+            if engine.is_gradient_accumulation_boundary():
+                step += 1
+                progress.update()
+                if step % args.logging_steps == 0:
+                    dist.all_reduce(running)
+                    mean_loss, mean_accuracy = (running / (args.logging_steps * args.gradient_accumulation_steps
+                                                           * args.world_size)).tolist()
+                    running.zero_()
+                    if is_main:
+                        lr = scheduler.get_last_lr()[0]
+                        sps = step / (time.time() - start_time)
+                        progress.set_postfix(loss=f"{mean_loss:.4f}", accuracy=f"{mean_accuracy:.3f}")
+                        writer.add_scalar("train/loss", mean_loss, step)
+                        writer.add_scalar("train/accuracy", mean_accuracy, step)
+                        writer.add_scalar("train/lr", lr, step)
+                        writer.add_scalar("charts/steps_per_second", sps, step)
+                        progress.write(f"step {step}: train loss {mean_loss:.4f}, accuracy {mean_accuracy:.3f}, "
+                                       f"lr {lr:.2e}, {sps:.1f} steps/s")
+    progress.close()
+
+    metrics = evaluate(engine, eval_loader, device)
+    if is_main:
+        print(f"held-out accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f}, mean score chosen "
+              f"{metrics['chosen_score']:.3f} / rejected {metrics['rejected_score']:.3f}, in {time.time() - start_time:.0f}s")
+        for name, value in metrics.items():
+            writer.add_scalar(f"eval/{name}", value, step)
+
+    # Reward normalization: the mean score of prompt + chosen over the training data, stored in config.json so that
+    # ppo.py can subtract it (scores centred at 0 keep the value targets small and the KL trade-off stable).
+    engine.eval()
+    with torch.no_grad():
+        total = torch.zeros(2, device=device)  # [sum of chosen scores, number of pairs]
+        for batch in DataLoader(train_data[dist.get_rank() :: args.world_size], args.per_device_eval_batch_size,
+                                collate_fn=collate_fn):
+            scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            chosen_scores = scores.chunk(2)[0]
+            total += torch.stack([chosen_scores.sum(), torch.tensor(float(len(chosen_scores)))])
+        dist.all_reduce(total)
+    engine.module.config.reward_mean = total[0].item() / total[1].item()
+    if is_main:
+        print(f"reward normalization: mean score of prompt + chosen over the training data = "
+              f"{engine.module.config.reward_mean:.4f}, stored as `reward_mean` in config.json")
+
+    # Save an ordinary Hugging Face folder. Under ZeRO-3 each rank holds a shard of every parameter: gather the full
+    # weights (every rank must take part) and let rank 0 write them. Written to a temporary folder, then renamed, so
+    # that an interrupted save never leaves a half-written checkpoint behind.
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=args.zero_stage == 3):
+        if is_main:
+            tmp_dir = args.output_dir.rstrip("/") + ".tmp"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            engine.module.save_pretrained(tmp_dir, safe_serialization=True)
+            tokenizer.save_pretrained(tmp_dir)
+            shutil.rmtree(args.output_dir, ignore_errors=True)
+            os.replace(tmp_dir, args.output_dir)
+    if is_main:
+        print(f"saved the reward model to {args.output_dir}")
+        writer.close()
