@@ -1,0 +1,651 @@
+"""Stage 3 of PPO-RLHF: PPO with four models, the whole loop inline.
+
+    actor      the policy pi_theta, from the SFT checkpoint (stage 1)          trained
+    reference  pi_ref, the same SFT checkpoint                                  frozen: the KL penalty's anchor
+    critic     the value function V(s_t), from the reward model (stage 2)      trained
+    reward     the reward model r(x, y) (stage 2)                               frozen
+
+Each model is its own DeepSpeed engine with its own config and ZeRO stage, as in DeepSpeed-Chat's RLHF engine. Each
+iteration samples responses to a batch of prompts (the rollout), scores them, turns scores and the KL penalty into
+per-token rewards and GAE advantages, then takes a few epochs of clipped PPO updates of actor and critic. The math is
+in rlhf_math.py; its docstring shows the layout of one sequence (which position holds which log-prob and value).
+
+    python ppo.py                                          # the bundled toy task, a few minutes on a laptop CPU
+    deepspeed --num_gpus 2 ppo.py --actor-zero-stage 3     # the same, on 2 ranks, the actor under ZeRO-3
+"""
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import datasets
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from deepspeed.accelerator import get_accelerator
+from rich.console import Console
+from rich.table import Table
+from torch.utils.tensorboard import SummaryWriter
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    get_linear_schedule_with_warmup,
+)
+from transformers.integrations import HfDeepSpeedConfig
+
+import rlhf_math
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = "ppo"
+    """the name of this experiment, the first part of the run name"""
+    seed: int = 1
+    """seed of the experiment (prompt order, sampling)"""
+    output_dir: str = "checkpoints/ppo"
+    """where the trained actor and critic are saved (actor/, critic/), and the DeepSpeed checkpoints (deepspeed/)"""
+    track: bool = False
+    """log to Weights & Biases (tensorboard logs and metrics.jsonl are always written to runs/RUN_NAME/)"""
+    wandb_project_name: str = "ppo-rlhf"
+    """the wandb project, with --track"""
+    sample_every: int = 10
+    """print a table of a few prompts, responses and scores every this many iterations (0: never)"""
+    save_every: int = 0
+    """write a DeepSpeed checkpoint of actor and critic every this many iterations, for --resume (0: never)"""
+    resume: bool = False
+    """continue from the latest DeepSpeed checkpoint in OUTPUT_DIR/deepspeed"""
+
+    # Models and data
+    actor_model_name_or_path: str = "checkpoints/sft"
+    """the SFT model (stage 1): the actor and the reference start from it"""
+    reward_model_name_or_path: str = "checkpoints/reward_model"
+    """the reward model (stage 2), frozen; its config's `reward_mean` is subtracted from its scores"""
+    critic_model_name_or_path: str | None = None
+    """where the critic starts; the reward model when not set"""
+    dataset: str = "toy_task/data"
+    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder; only prompts are used"""
+    train_split: str = "train"
+    """the split whose prompts are sampled"""
+    prompt_column: str = "prompt"
+    """the column that holds the prompt"""
+    max_prompt_len: int = 32
+    """longest prompt in tokens; longer prompts are dropped (and counted), never truncated"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers whose code comes with their hub repository"""
+
+    # Rollout
+    total_episodes: int = 4096
+    """prompts answered over the whole run; iterations = total_episodes / batch_size"""
+    per_device_rollout_batch_size: int = 64
+    """prompts per rank per iteration"""
+    max_new_tokens: int = 24
+    """longest response; a response that reaches it without EOS is cut there"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs are computed at the same temperature"""
+    min_response_tokens: int = 1
+    """responses with fewer real tokens (EOS not counted) are invalid and left out of the update"""
+    missing_eos_penalty: float | None = None
+    """the EOS trick: a response that never generated EOS gets the score -MISSING_EOS_PENALTY instead of the reward
+    model's (off by default, as in TRL)"""
+
+    # PPO
+    num_ppo_epochs: int = 4
+    """passes of PPO updates over each rollout batch"""
+    num_mini_batches: int = 2
+    """optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches"""
+    per_device_train_batch_size: int = 16
+    """sequences per rank per forward pass, in the update (gradient accumulation fills a mini-batch) and in the
+    rollout's scoring passes"""
+    actor_learning_rate: float = 3e-5
+    """actor learning rate, decayed linearly to 0 (the toy default; real models of 1B parameters want about 3e-6)"""
+    critic_learning_rate: float = 1e-4
+    """critic learning rate, decayed linearly to 0"""
+    weight_decay: float = 0.0
+    """AdamW weight decay of actor and critic"""
+    gradient_clipping: float = 1.0
+    """clip each trained model's gradient norm to this"""
+    kl_coef: float = 0.1
+    """beta, the coefficient of the per-token KL penalty (the initial value, with --target-kl)"""
+    target_kl: float | None = None
+    """turn on Ziegler et al.'s adaptive KL controller, which steers the mean KL per response toward this"""
+    kl_horizon: float = 10000
+    """horizon of the adaptive KL controller, in episodes"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """the per-token KL estimator of the penalty (see rlhf_math.kl_per_token)"""
+    clip_score: float = 5.0
+    """the reward model's score is clipped to [-clip_score, clip_score]"""
+    cliprange: float = 0.2
+    """epsilon, PPO's clip range of the probability ratio"""
+    cliprange_value: float = 0.2
+    """the value function's clip range around the rollout's values"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    whiten_advantages: bool = True
+    """whiten the advantages over the rollout batch (--no-whiten-advantages for DeepSpeed-Chat's behaviour)"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards to unit variance over the rollout batch, keeping their mean"""
+
+    # DeepSpeed
+    actor_zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage of the actor (the reference follows: ZeRO-3 if the actor is, else 0)"""
+    critic_zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage of the critic (the reward model follows: ZeRO-3 if the critic is, else 0)"""
+    offload: bool = False
+    """offload the optimizer states (and, at ZeRO-3, the parameters) of actor and critic to CPU memory"""
+    offload_reference_model: bool = False
+    """keep the reference model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the actor's stage)"""
+    offload_reward_model: bool = False
+    """keep the reward model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the critic's stage)"""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """precision of all four models; fp16 needs a GPU"""
+    actor_gradient_checkpointing: bool = False
+    """recompute the actor's activations in the backward pass: less memory, about a third more compute"""
+    critic_gradient_checkpointing: bool = False
+    """the same for the critic"""
+    disable_dropout: bool = True
+    """set every dropout probability of the four models to 0, so that PPO's first ratio is exactly 1"""
+    gather_actor_for_generation: bool = True
+    """under ZeRO-3, gather the actor's weights once per rollout instead of layer by layer for every new token
+    (--no-gather-actor-for-generation for models too large for one device)"""
+    local_rank: int = -1
+    """this process's rank on its node, passed by the deepspeed launcher"""
+
+    # Filled in at runtime
+    world_size: int = 0
+    """number of ranks"""
+    batch_size: int = 0
+    """episodes per iteration: per_device_rollout_batch_size x world_size"""
+    per_device_mini_batch_size: int = 0
+    """sequences per rank per optimizer step"""
+    gradient_accumulation_steps: int = 0
+    """forward passes per optimizer step"""
+    num_iterations: int = 0
+    """PPO iterations (rollout + update) in the whole run"""
+
+
+def fail(message: str) -> None:
+    """Stop with a one-line message that says what to fix, instead of a stack trace from inside a library."""
+    raise SystemExit(f"ppo.py: error: {message}")
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b, which must divide exactly: batch arithmetic is never silently rounded."""
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> dict:
+    """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
+    scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
+    # DeepSpeed-Chat's threshold: ZeRO-3 keeps parameters under 10k elements (norms, biases) whole on every rank.
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 1e4}
+    if offload and trained:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if offload and stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "fp16": {"enabled": args.dtype == "fp16"},
+        "steps_per_print": 10**9,
+    }
+    if trained:
+        config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        config["gradient_clipping"] = args.gradient_clipping
+    return config
+
+
+def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_rate: float | None = None):
+    """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a linear learning-rate decay when a
+    learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward)."""
+    if not os.path.isdir(path) and os.path.sep in path:
+        fail(f"no model folder at {path!r}; train the earlier stages first (sft.py, reward_model.py) or check the path")
+    # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if args.disable_dropout:
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+    model = model_class.from_pretrained(path, config=config, trust_remote_code=args.trust_remote_code)
+    if learning_rate is None:
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        engine.eval()
+        return engine
+    # With --offload the optimizer step runs on the CPU, and DeepSpeed wants its own vectorised CPU Adam there.
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if args.offload else torch.optim.AdamW
+    optimizer = adam(model.parameters(), lr=learning_rate, weight_decay=args.weight_decay)
+    num_steps = args.num_iterations * args.num_ppo_epochs * args.num_mini_batches
+    scheduler = get_linear_schedule_with_warmup(optimizer, 0, num_steps)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine.train()  # dropout is off, so train and eval mode compute the same; train mode enables checkpointing
+    return engine
+
+
+def check_score_head(engine, name: str) -> None:
+    """Critic and reward model are sequence classifiers whose head we apply at every position."""
+    if not isinstance(getattr(engine.module, "score", None), torch.nn.Linear) or engine.module.config.num_labels != 1:
+        fail(f"the {name} must be a 1-label AutoModelForSequenceClassification with a linear `score` head "
+             "(as reward_model.py saves it)")
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The logits that predict each response token: [B, P + R] sequences -> [B, R, V].
+
+    The logits at position P - 1 + t predict the token at position P + t, so they are read one position earlier.
+    """
+    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                use_cache=False)
+    return out.logits[:, prompt_len - 1 : -1]
+
+
+def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence classifier's scalar head applied at every position instead of only the last: [B, T] -> [B, T]."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=sequences, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+@contextlib.contextmanager
+def gathered_for_generation(engine, enabled: bool):
+    """Under ZeRO-3, gather the actor's full weights once and take DeepSpeed's per-layer hooks off while generating,
+    so that the weights are not gathered again layer by layer for every new token (the recipe of TRL's
+    unwrap_model_for_generation). Without it each token costs an all-gather of every layer."""
+    if not enabled:
+        yield
+        return
+    offload = engine.optimizer.parameter_offload  # the ZeRO-3 machinery that owns the hooks
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for p in engine.module.parameters():
+            p.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)  # put the hooks back for the update
+
+
+def save_hf_folder(engine, tokenizer, path: str, zero_stage: int, is_main: bool) -> None:
+    """An ordinary Hugging Face folder (safetensors + tokenizer). Under ZeRO-3 the full weights are gathered first
+    (every rank takes part); written to a temporary folder and renamed, so a checkpoint is never half-written."""
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero_stage == 3):
+        if is_main:
+            tmp_dir = path.rstrip("/") + ".tmp"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            engine.module.save_pretrained(tmp_dir, safe_serialization=True)
+            tokenizer.save_pretrained(tmp_dir)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp_dir, path)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+
+    # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args.local_rank = int(os.environ["LOCAL_RANK"])
+    if args.dtype == "fp16" and get_accelerator().device_name() == "cpu":
+        fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
+    get_accelerator().set_device(args.local_rank)
+    device = torch.device(get_accelerator().device_name(args.local_rank))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    args.world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    is_main = rank == 0
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's
+    # share into num_mini_batches optimizer steps of gradient_accumulation_steps forward passes each.
+    args.batch_size = args.per_device_rollout_batch_size * args.world_size
+    args.num_iterations = exact_div(args.total_episodes, args.batch_size, "--total-episodes / (rollout batch x ranks)")
+    args.per_device_mini_batch_size = exact_div(
+        args.per_device_rollout_batch_size, args.num_mini_batches, "--per-device-rollout-batch-size / --num-mini-batches")
+    args.gradient_accumulation_steps = exact_div(
+        args.per_device_mini_batch_size, args.per_device_train_batch_size,
+        "rollout batch per mini-batch / --per-device-train-batch-size")
+
+    # Tokenizer: the SFT model's, left padding for the prompts. Its pad token must not be EOS (stage 1 makes sure).
+    if not os.path.isdir(args.actor_model_name_or_path) and os.path.sep in args.actor_model_name_or_path:
+        fail(f"no model folder at {args.actor_model_name_or_path!r}; run sft.py first or check --actor-model-name-or-path")
+    tokenizer = AutoTokenizer.from_pretrained(args.actor_model_name_or_path, padding_side="left",
+                                              trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
+             "a model saved by sft.py has one")
+    if not os.path.isdir(args.reward_model_name_or_path) and os.path.sep in args.reward_model_name_or_path:
+        fail(f"no model folder at {args.reward_model_name_or_path!r}; run reward_model.py first or check "
+             "--reward-model-name-or-path")
+    reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_name_or_path,
+                                                     trust_remote_code=args.trust_remote_code)
+    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        fail(f"the reward model {args.reward_model_name_or_path!r} has another tokenizer than the actor "
+             f"{args.actor_model_name_or_path!r}: its scores would read other tokens; train it from the same SFT model")
+
+    # Prompts
+    if os.path.isfile(args.dataset):
+        kind = "parquet" if args.dataset.endswith(".parquet") else "json"
+        data = datasets.load_dataset(kind, data_files={args.train_split: args.dataset}, split=args.train_split)
+    else:
+        try:
+            data = datasets.load_dataset(args.dataset, split=args.train_split)
+        except (FileNotFoundError, ValueError) as error:
+            fail(f"cannot load split {args.train_split!r} of data set {args.dataset!r} ({error}); check --dataset")
+    if args.prompt_column not in data.column_names:
+        fail(f"data set {args.dataset!r} has no column {args.prompt_column!r}; its columns are {data.column_names}")
+    prompts, too_long = [], 0
+    for i, prompt in enumerate(data[args.prompt_column]):
+        if not isinstance(prompt, str) or not prompt.strip():
+            fail(f"row {i} of split {args.train_split!r} has an empty {args.prompt_column!r}; remove or fill it")
+        ids = tokenizer(prompt)["input_ids"]
+        if len(ids) > args.max_prompt_len:
+            too_long += 1
+        else:
+            prompts.append(ids)
+    if too_long and is_main:
+        print(f"dropped {too_long} of {len(data)} prompts longer than --max-prompt-len {args.max_prompt_len}")
+    if len(prompts) < args.batch_size:
+        fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
+             "raise --max-prompt-len or lower --per-device-rollout-batch-size")
+
+    # The four models. The reference follows the actor's ZeRO stage and the reward model the critic's, but only
+    # ZeRO-3 is worth anything to a model without gradients or optimizer (it shards the parameters), so both are
+    # ZeRO-3 or plain (DeepSpeed-Chat's rule). Their own offload puts their parameters in CPU memory, which needs
+    # ZeRO-3's parameter partitioning, so it implies ZeRO-3.
+    reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
+    reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
+    critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
+    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
+                        deepspeed_config(args.actor_zero_stage, True, args.offload, args), args, args.actor_learning_rate)
+    reference = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
+                            deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
+    critic = init_engine(AutoModelForSequenceClassification, critic_path,
+                         deepspeed_config(args.critic_zero_stage, True, args.offload, args), args, args.critic_learning_rate)
+    reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
+                         deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
+    check_score_head(critic, "critic")
+    check_score_head(reward, "reward model")
+    if args.actor_gradient_checkpointing:
+        actor.module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if args.critic_gradient_checkpointing:
+        critic.module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # Reward normalization (N+ detail 15): reward_model.py stored the mean score of the SFT data; subtracting it
+    # centres the scores at 0. The critic starts as a copy of the reward model, so its outputs get the same offset.
+    reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
+    critic_mean = getattr(critic.module.config, "reward_mean", 0.0)
+    if is_main and not hasattr(reward.module.config, "reward_mean"):
+        print(f"the reward model's config has no `reward_mean` (not saved by reward_model.py): scores are used as is")
+
+    # Sampling: plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled
+    # distribution differ from the one whose log-probs we compute (no top-k, no top-p, no min_new_tokens, which
+    # would suppress EOS). The pad token is suppressed: a young policy does sample it, and a pad inside a response
+    # breaks every mask built from padding. (The log-probs keep pad in their softmax; the SFT model never learned to
+    # produce pad, so its probability, and the difference, is negligible.)
+    generation_config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        suppress_tokens=[tokenizer.pad_token_id],
+    )
+    kl_coef = args.kl_coef
+    start_iteration = 0
+    checkpoint_dir = os.path.join(args.output_dir, "deepspeed")
+    if args.resume:
+        marker = os.path.join(checkpoint_dir, "latest_iteration")
+        if not os.path.isfile(marker):
+            fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
+        with open(marker) as f:
+            tag = f.read().strip()
+        _, client_state = actor.load_checkpoint(os.path.join(checkpoint_dir, "actor"), tag=tag)
+        critic.load_checkpoint(os.path.join(checkpoint_dir, "critic"), tag=tag)
+        start_iteration, kl_coef = client_state["iteration"], client_state["kl_coef"]
+        if is_main:
+            print(f"resumed from {checkpoint_dir} at iteration {start_iteration}")
+
+    # Logging: tensorboard and a JSON-lines file always, wandb with --track, the hyperparameters as a table.
+    run_dir = os.path.join("runs", run_name)
+    writer = None
+    if is_main:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, name=run_name, config=asdict(args), sync_tensorboard=True)
+        writer = SummaryWriter(run_dir)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        print(f"{len(prompts)} prompts; {args.num_iterations} iterations of {args.batch_size} episodes; "
+              f"logging to {run_dir}")
+
+    last_valid_rollout = None
+    start_time = time.time()
+    for iteration in range(start_iteration, args.num_iterations):
+        # Every iteration draws its prompts and samples from seeds of its own, so that a resumed run repeats exactly
+        # what an uninterrupted one would have done.
+        torch.manual_seed(args.seed * 100_003 + iteration * args.world_size + rank)
+        order = np.random.default_rng([args.seed, iteration // (len(prompts) // args.batch_size)]).permutation(len(prompts))
+        batch_start = (iteration % (len(prompts) // args.batch_size)) * args.batch_size + rank * args.per_device_rollout_batch_size
+        batch_prompts = [prompts[i] for i in order[batch_start : batch_start + args.per_device_rollout_batch_size]]
+        padded = tokenizer.pad({"input_ids": batch_prompts}, return_tensors="pt")  # left padding
+        prompt_ids, prompt_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device)
+        P = prompt_ids.shape[1]  # prompt length of this batch, padding included
+        R = args.max_new_tokens
+
+        # ROLLOUT
+        rollout_start = time.time()
+        with torch.no_grad():
+            # 1. Generate: sample a response to every prompt from the current policy pi_theta.
+            actor.eval()
+            with gathered_for_generation(actor, args.actor_zero_stage == 3 and args.gather_actor_for_generation):
+                sequences = actor.module.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+                    synced_gpus=args.actor_zero_stage == 3,  # under ZeRO-3, ranks keep stepping until all are done
+                )
+            actor.train()
+            responses = sequences[:, P:]
+            responses = torch.nn.functional.pad(responses, (0, R - responses.shape[1]), value=tokenizer.pad_token_id)
+            generation_time = time.time() - rollout_start
+
+            # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
+            response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
+            responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
+            sequences = torch.cat([prompt_ids, responses], dim=1)
+            attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+            contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
+
+            # 3.-4. Forward passes, in chunks of the micro-batch size: log pi_theta(a_t|s_t) and log pi_ref(a_t|s_t)
+            # of each response token, V(s_t) before each token, and the reward model's score r(x, y).
+            logprobs, ref_logprobs, values, scores = [], [], [], []
+            for i in range(0, len(sequences), args.per_device_train_batch_size):
+                seq = sequences[i : i + args.per_device_train_batch_size]
+                mask = attention_mask[i : i + args.per_device_train_batch_size]
+                logprobs.append(rlhf_math.logprobs_from_logits(
+                    response_logits(actor, seq, mask, P), seq[:, P:], args.temperature))
+                ref_logprobs.append(rlhf_math.logprobs_from_logits(
+                    response_logits(reference, seq, mask, P), seq[:, P:], args.temperature))
+                # V(s_t) is the critic's output at the last token of the state, one position before a_t.
+                values.append(head_at_every_position(critic.module, seq, mask)[:, P - 1 : -1] - critic_mean)
+                # 3. Score prompt + truncated response at its last real token (the EOS, or the last token of a
+                # response cut at max_new_tokens), where rlhf_math.per_token_rewards also lands it.
+                last = response_mask[i : i + args.per_device_train_batch_size].sum(dim=1) - 1
+                token_scores = head_at_every_position(reward.module, seq, mask)[:, P:]
+                scores.append(token_scores[torch.arange(len(seq), device=device), last] - reward_mean)
+            logprobs, ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
+            values, scores = torch.cat(values), torch.cat(scores)
+            # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
+            if args.missing_eos_penalty is not None:
+                scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
+
+            # 5. Invalid generations, too short to learn from, are left out of the update (their mask is zeroed).
+            real_tokens = response_mask.sum(dim=1) - contains_eos.long()
+            valid = real_tokens >= args.min_response_tokens
+            update_mask = response_mask * valid.unsqueeze(1)
+
+            # 4. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
+            rewards, kl = rlhf_math.per_token_rewards(
+                scores, logprobs, ref_logprobs, update_mask, kl_coef, args.clip_score, args.kl_estimator)
+            if args.whiten_rewards:
+                rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False)
+            advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma, args.lam)
+            if args.whiten_advantages:
+                advantages = rlhf_math.masked_whiten(advantages, update_mask)
+
+            rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
+                           advantages=advantages, returns=returns, mask=update_mask)
+            num_invalid = int((~valid).sum())
+            if num_invalid == len(valid):
+                if last_valid_rollout is None:
+                    fail(f"iteration {iteration}: no response has --min-response-tokens {args.min_response_tokens} "
+                         "real tokens, and there is no earlier batch to reuse; check the SFT model and max_new_tokens")
+                print(f"warning: rank {rank}, iteration {iteration}: every response is invalid; reusing the last "
+                      "valid batch (DeepSpeed-Chat's fallback)")
+                rollout = last_valid_rollout
+            last_valid_rollout = rollout
+        rollout_time = time.time() - rollout_start
+
+        # UPDATE: num_ppo_epochs passes over the batch, each split into num_mini_batches optimizer steps.
+        update_start = time.time()
+        stats = {k: [] for k in ["approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio"]}
+        for epoch in range(args.num_ppo_epochs):
+            for micro_step, index in enumerate(
+                torch.randperm(args.per_device_rollout_batch_size, device=device).split(args.per_device_train_batch_size)
+            ):
+                mb = {k: v[index] for k, v in rollout.items()}
+                new_logits = response_logits(actor, mb["sequences"], mb["attention_mask"], P)
+                new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, P:], args.temperature)
+                pg_loss, pg_stats = rlhf_math.policy_loss(
+                    new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
+                new_values = head_at_every_position(critic.module, mb["sequences"], mb["attention_mask"])[:, P - 1 : -1]
+                vf_loss, vf_clipfrac = rlhf_math.value_loss(
+                    new_values - critic_mean, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
+                # Before the first step the policy is the one that sampled: the ratio must be exactly 1. If not,
+                # the log-probs do not match the sampling (dropout on, another temperature, another model).
+                if epoch == 0 and micro_step == 0 and args.dtype == "fp32":
+                    if abs(pg_stats["ratio"].item() - 1) > 1e-4 or pg_stats["approxkl"].item() > 1e-6:
+                        fail(f"iteration {iteration}: the first PPO ratio is {pg_stats['ratio'].item():.6f}, not 1 "
+                             f"(approxkl {pg_stats['approxkl'].item():.2e}): the update's log-probs differ from the "
+                             "rollout's; is dropout on (--disable-dropout) or the model nondeterministic?")
+                for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:
+                    if not torch.isfinite(loss):
+                        fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise "
+                             "--kl-coef or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
+                actor.backward(pg_loss)
+                actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
+                critic.backward(vf_loss)
+                critic.step()
+                with torch.no_grad():
+                    entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(new_logits, args.temperature), mb["mask"])
+                for name, value in [("approxkl", pg_stats["approxkl"]), ("clipfrac", pg_stats["clipfrac"]),
+                                    ("pg_loss", pg_loss.detach()), ("vf_loss", vf_loss.detach()),
+                                    ("vf_clipfrac", vf_clipfrac), ("entropy", entropy), ("ratio", pg_stats["ratio"])]:
+                    stats[name].append(value)
+        update_time = time.time() - update_start
+
+        # LOGGING: TRL's metric names. Per-sequence sums are averaged over sequences, per-token statistics are
+        # means over real tokens; every figure is averaged over the ranks.
+        with torch.no_grad():
+            mask = rollout["mask"]
+            kl_sum = kl.sum(dim=1)
+            ratios = torch.stack(stats["ratio"])
+            local = {
+                "objective/kl": kl_sum.mean(),
+                "objective/entropy": (-logprobs * response_mask).sum(dim=1).mean(),
+                "objective/non_score_reward": (-kl_coef * kl_sum).mean(),
+                "objective/rlhf_reward": (scores - kl_coef * kl_sum).mean(),
+                "objective/scores": scores.mean(),
+                "objective/scores_squared": (scores**2).mean(),  # turned into objective/scores_std below
+                "policy/approxkl_avg": torch.stack(stats["approxkl"]).mean(),
+                "policy/clipfrac_avg": torch.stack(stats["clipfrac"]).mean(),
+                "loss/policy_avg": torch.stack(stats["pg_loss"]).mean(),
+                "loss/value_avg": torch.stack(stats["vf_loss"]).mean(),
+                "val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean(),
+                "policy/entropy_avg": torch.stack(stats["entropy"]).mean(),
+                "val/ratio": ratios.mean(),
+                "val/ratio_var": ratios.var() if len(ratios) > 1 else torch.zeros((), device=device),
+                "val/num_eos_tokens": contains_eos.sum().float(),
+                "val/response_length": response_mask.sum(dim=1).float().mean(),
+                "val/num_invalid": torch.tensor(float(num_invalid), device=device),
+            }
+            values_tensor = torch.stack([v.float() for v in local.values()])
+            dist.all_reduce(values_tensor)
+            metrics = dict(zip(local, (values_tensor / args.world_size).tolist()))
+        scores_variance = metrics.pop("objective/scores_squared") - metrics["objective/scores"] ** 2
+        metrics["objective/scores_std"] = max(scores_variance, 0.0) ** 0.5
+        metrics["val/num_eos_tokens"] *= args.world_size  # a count over all ranks, not a mean
+        metrics["val/num_invalid"] *= args.world_size
+        metrics["objective/kl_coef"] = kl_coef
+        metrics["lr"] = actor.get_lr()[0]
+        metrics["episode"] = (iteration + 1) * args.batch_size
+        metrics["eps"] = (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time)
+        metrics["time/rollout"] = rollout_time
+        metrics["time/generation"] = generation_time
+        metrics["time/update"] = update_time
+        if args.target_kl is not None:
+            # Ziegler et al.'s adaptive controller: beta grows when the KL overshoots the target, shrinks below it.
+            kl_coef = rlhf_math.adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, args.kl_horizon,
+                                                 args.batch_size)
+        if is_main:
+            for name, value in metrics.items():
+                writer.add_scalar(name, value, metrics["episode"])
+            metrics_file.write(json.dumps({"iteration": iteration + 1, **metrics}) + "\n")
+            metrics_file.flush()
+            print(f"iteration {iteration + 1}/{args.num_iterations}: score {metrics['objective/scores']:+.3f}, "
+                  f"kl {metrics['objective/kl']:.3f}, length {metrics['val/response_length']:.1f}, "
+                  f"approxkl {metrics['policy/approxkl_avg']:.4f}, value loss {metrics['loss/value_avg']:.3f}, "
+                  f"rollout {rollout_time:.1f}s, update {update_time:.1f}s")
+            if args.sample_every and (iteration + 1) % args.sample_every == 0:
+                table = Table("prompt", "response", "score", title=f"iteration {iteration + 1}", show_lines=True)
+                for i in range(min(4, len(prompt_ids))):
+                    table.add_row(tokenizer.decode(prompt_ids[i], skip_special_tokens=True),
+                                  tokenizer.decode(responses[i], skip_special_tokens=True), f"{scores[i].item():+.2f}")
+                Console().print(table)
+
+        # DeepSpeed checkpoints for --resume. Actor and critic are saved under the same tag, and a marker naming
+        # the tag is written (then renamed into place) only after both are complete.
+        if args.save_every and (iteration + 1) % args.save_every == 0:
+            tag = f"iteration_{iteration + 1}"
+            client_state = {"iteration": iteration + 1, "kl_coef": kl_coef}
+            actor.save_checkpoint(os.path.join(checkpoint_dir, "actor"), tag=tag, client_state=client_state,
+                                  save_latest=False)
+            critic.save_checkpoint(os.path.join(checkpoint_dir, "critic"), tag=tag, save_latest=False)
+            dist.barrier()
+            if is_main:
+                with open(os.path.join(checkpoint_dir, "latest_iteration.tmp"), "w") as f:
+                    f.write(tag)
+                os.replace(os.path.join(checkpoint_dir, "latest_iteration.tmp"),
+                           os.path.join(checkpoint_dir, "latest_iteration"))
+
+    # Save the trained actor and critic as ordinary Hugging Face folders.
+    save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, is_main)
+    save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage, is_main)
+    if is_main:
+        print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
+              f"in {time.time() - start_time:.0f}s")
+        metrics_file.close()
+        writer.close()

@@ -1,0 +1,169 @@
+"""Stage 3 runs for real, for a few iterations, on the bundled toy task: on 2 ranks with the actor under ZeRO-3 and
+with ZeRO-0, with the k3 KL estimator and the EOS trick, and killed then resumed. The stage-1 and stage-2 checkpoints
+it starts from are trained here for a few steps first.
+"""
+
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rlhf_math
+from ppo import response_logits
+from test_sft_and_reward_model import ENV, FEW_STEPS, error_of, run
+
+# 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
+FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
+                  "--per-device-train-batch-size", "2", "--num-ppo-epochs", "2", "--max-new-tokens", "12",
+                  "--sample-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """SFT and reward model checkpoints, a few steps each."""
+    root = tmp_path_factory.mktemp("stages")
+    run("sft.py", *FEW_STEPS, "--output-dir", str(root / "sft"))
+    run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(root / "sft"), "--output-dir", str(root / "rm"))
+    return ["--actor-model-name-or-path", str(root / "sft"), "--reward-model-name-or-path", str(root / "rm")]
+
+
+def run_ppo(stages, out, *flags, ranks=None, check=True):
+    exp_name = f"test_{os.path.basename(out)}"
+    for old in glob.glob(f"runs/{exp_name}__*"):
+        shutil.rmtree(old)
+    result = run("ppo.py", *stages, *FEW_ITERATIONS, "--output-dir", str(out), "--exp-name", exp_name, *flags,
+                 ranks=ranks, check=check)
+    return result, exp_name
+
+
+def read_metrics(exp_name):
+    """Every metrics.jsonl line of the runs of this experiment, oldest run first."""
+    lines = []
+    for path in sorted(glob.glob(f"runs/{exp_name}__*/metrics.jsonl")):
+        lines += [json.loads(line) for line in open(path)]
+        shutil.rmtree(os.path.dirname(path))
+    return lines
+
+
+def check_metrics(metrics, iterations):
+    assert [m["iteration"] for m in metrics] == list(range(1, iterations + 1))
+    for m in metrics:
+        for name in ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+                     "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
+                     "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var",
+                     "val/num_eos_tokens", "lr", "episode", "time/rollout", "time/update"]:
+            assert math.isfinite(m[name]), f"{name} = {m[name]}"
+
+
+def check_actor_trained(out, stages):
+    sft_path = stages[1]
+    actor = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor"))
+    sft = AutoModelForCausalLM.from_pretrained(sft_path)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "actor"))
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    changed = [name for name, p in actor.state_dict().items() if not torch.equal(p, sft.state_dict()[name])]
+    assert changed, "the saved actor equals the SFT model"
+    assert all(p.shape == sft.state_dict()[n].shape for n, p in actor.state_dict().items())  # gathered, not shards
+
+
+def test_generation_and_forward_log_probs_agree():
+    """The log-probs ppo.py computes by a forward pass over prompt + response are those of the distribution the
+    response was sampled from: same positions (left padding, the shift by one), same temperature."""
+    tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained("toy_task/base_model")
+    prompts = tokenizer(["I watched this film last night and", "We saw it"], padding=True, return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**prompts, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=8,
+                         min_new_tokens=8, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=tokenizer.pad_token_id)
+    P = prompts["input_ids"].shape[1]
+    responses = out.sequences[:, P:]
+    sampled_logprobs = rlhf_math.logprobs_from_logits(torch.stack(out.logits, dim=1), responses, temperature=0.7)
+    attention_mask = torch.cat([prompts["attention_mask"], torch.ones_like(responses)], dim=1)
+    with torch.no_grad():
+        logits = response_logits(model, out.sequences, attention_mask, P)
+    forward_logprobs = rlhf_math.logprobs_from_logits(logits, responses, temperature=0.7)
+    torch.testing.assert_close(forward_logprobs, sampled_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_two_ranks_actor_zero3_critic_zero2(stages, tmp_path):
+    out = tmp_path / "z3"
+    result, exp_name = run_ppo(stages, out, "--total-episodes", "32", "--actor-zero-stage", "3",
+                               "--critic-zero-stage", "2", ranks=2)
+    assert "iteration 2/2" in result.stdout
+    check_metrics(read_metrics(exp_name), 2)
+    check_actor_trained(out, stages)
+
+
+def test_two_ranks_zero0(stages, tmp_path):
+    out = tmp_path / "z0"
+    result, exp_name = run_ppo(stages, out, "--total-episodes", "32", ranks=2)
+    check_metrics(read_metrics(exp_name), 2)
+    check_actor_trained(out, stages)
+
+
+def test_k3_estimator(stages, tmp_path):
+    result, exp_name = run_ppo(stages, tmp_path / "k3", "--total-episodes", "16", "--kl-estimator", "k3")
+    metrics = read_metrics(exp_name)
+    check_metrics(metrics, 2)
+    assert all(m["objective/kl"] >= 0 for m in metrics)  # k3 is never negative, per token
+
+
+def test_missing_eos_penalty(stages, tmp_path):
+    # With 2 new tokens almost no response reaches EOS; those score -1 in place of the reward model's score.
+    result, exp_name = run_ppo(stages, tmp_path / "eos", "--total-episodes", "16", "--max-new-tokens", "2",
+                               "--missing-eos-penalty", "1.0")
+    for m in read_metrics(exp_name):
+        if m["val/num_eos_tokens"] == 0:
+            assert m["objective/scores"] == pytest.approx(-1.0)
+
+
+def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path):
+    flags = ["--total-episodes", "64", "--save-every", "2", "--sample-every", "0"]
+    _, exp_name = run_ppo(stages, tmp_path / "straight", *flags)
+    uninterrupted = read_metrics(exp_name)
+
+    # The same run, killed (SIGKILL: no chance to clean up) once its first checkpoint is complete.
+    out = tmp_path / "killed"
+    exp_name = "test_killed"
+    command = [sys.executable, "ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out),
+               "--exp-name", exp_name]
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    marker = out / "deepspeed" / "latest_iteration"
+    deadline = time.time() + 300
+    while not marker.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert marker.exists(), process.stderr.read().decode()[-3000:]
+    assert not (out / "actor").exists(), "the run finished before it could be killed"
+    read_metrics(exp_name)
+
+    run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name, "--resume")
+    resumed = read_metrics(exp_name)
+    assert resumed[-1]["iteration"] == 8 and resumed[0]["iteration"] > 1
+    for after in resumed:
+        before = uninterrupted[after["iteration"] - 1]
+        for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
+            assert after[name] == pytest.approx(before[name], rel=1e-5, abs=1e-6), (after["iteration"], name)
+
+
+def test_bad_batch_arithmetic_and_paths(stages, tmp_path):
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "20", check=False)
+    assert "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8" in error_of(result)
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--per-device-train-batch-size", "3", check=False)
+    assert "--per-device-train-batch-size: 4 is not divisible by 3" in error_of(result)
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--reward-model-name-or-path",
+                        str(tmp_path / "missing"), check=False)
+    assert "no model folder at" in error_of(result)
+    result, _ = run_ppo(stages, tmp_path, "--actor-zero-stage", "4", check=False)
+    assert result.returncode != 0 and "--actor-zero-stage" in result.stderr
