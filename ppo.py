@@ -105,10 +105,10 @@ class Args:
     """passes of PPO updates over each rollout batch"""
     num_mini_batches: int = 2
     """optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches"""
-    per_device_train_batch_size: int = 16
+    per_device_train_batch_size: int = 32
     """sequences per rank per forward pass, in the update (gradient accumulation fills a mini-batch) and in the
     rollout's scoring passes"""
-    actor_learning_rate: float = 3e-5
+    actor_learning_rate: float = 6e-5
     """actor learning rate, decayed linearly to 0 (the toy default; real models of 1B parameters want about 3e-6)"""
     critic_learning_rate: float = 1e-4
     """critic learning rate, decayed linearly to 0"""
@@ -158,9 +158,9 @@ class Args:
     """the same for the critic"""
     disable_dropout: bool = True
     """set every dropout probability of the four models to 0, so that PPO's first ratio is exactly 1"""
-    gather_actor_for_generation: bool = True
-    """under ZeRO-3, gather the actor's weights once per rollout instead of layer by layer for every new token
-    (--no-gather-actor-for-generation for models too large for one device)"""
+    gather_weights_for_rollout: bool = True
+    """under ZeRO-3, gather each model's full weights once per rollout (one model at a time) instead of layer by layer
+    for every new token and every forward pass (--no-gather-weights-for-rollout for models too large for one device)"""
     local_rank: int = -1
     """this process's rank on its node, passed by the deepspeed launcher"""
 
@@ -211,7 +211,8 @@ def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> di
     return config
 
 
-def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_rate: float | None = None):
+def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_rate: float | None = None,
+                gradient_checkpointing: bool = False):
     """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a linear learning-rate decay when a
     learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward)."""
     if not os.path.isdir(path) and os.path.sep in path:
@@ -229,6 +230,8 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         engine.eval()
         return engine
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # With --offload the optimizer step runs on the CPU, and DeepSpeed wants its own vectorised CPU Adam there.
     adam = deepspeed.ops.adam.DeepSpeedCPUAdam if args.offload else torch.optim.AdamW
     optimizer = adam(model.parameters(), lr=learning_rate, weight_decay=args.weight_decay)
@@ -270,14 +273,15 @@ def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch
 
 
 @contextlib.contextmanager
-def gathered_for_generation(engine, enabled: bool):
-    """Under ZeRO-3, gather the actor's full weights once and take DeepSpeed's per-layer hooks off while generating,
-    so that the weights are not gathered again layer by layer for every new token (the recipe of TRL's
-    unwrap_model_for_generation). Without it each token costs an all-gather of every layer."""
+def gathered(engine, enabled: bool):
+    """Under ZeRO-3, gather a model's full weights once and take DeepSpeed's per-layer hooks off, so that generating
+    and scoring do not gather the weights again layer by layer for every new token and every forward pass (the
+    recipe of TRL's unwrap_model_for_generation). Only for no-gradient work: the hooks are back for the update."""
     if not enabled:
         yield
         return
-    offload = engine.optimizer.parameter_offload  # the ZeRO-3 machinery that owns the hooks
+    # The ZeRO-3 machinery that owns the hooks: the optimizer's, or the engine's own when it has no optimizer.
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         for p in engine.module.parameters():
             p.ds_active_sub_modules.clear()
@@ -287,7 +291,7 @@ def gathered_for_generation(engine, enabled: bool):
         try:
             yield
         finally:
-            offload._register_deepspeed_module(offload.module)  # put the hooks back for the update
+            offload._register_deepspeed_module(offload.module)
 
 
 def save_hf_folder(engine, tokenizer, path: str, zero_stage: int, is_main: bool) -> None:
@@ -384,25 +388,23 @@ if __name__ == "__main__":
     reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
     critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
     actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
-                        deepspeed_config(args.actor_zero_stage, True, args.offload, args), args, args.actor_learning_rate)
+                        deepspeed_config(args.actor_zero_stage, True, args.offload, args), args,
+                        args.actor_learning_rate, args.actor_gradient_checkpointing)
     reference = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
                             deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
     critic = init_engine(AutoModelForSequenceClassification, critic_path,
-                         deepspeed_config(args.critic_zero_stage, True, args.offload, args), args, args.critic_learning_rate)
+                         deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
+                         args.critic_learning_rate, args.critic_gradient_checkpointing)
     reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
                          deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
     check_score_head(critic, "critic")
     check_score_head(reward, "reward model")
-    if args.actor_gradient_checkpointing:
-        actor.module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if args.critic_gradient_checkpointing:
-        critic.module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # Reward normalization (N+ detail 15): reward_model.py stored the mean score of the SFT data; subtracting it
     # centres the scores at 0. The critic starts as a copy of the reward model, so its outputs get the same offset.
     reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
     critic_mean = getattr(critic.module.config, "reward_mean", 0.0)
     if is_main and not hasattr(reward.module.config, "reward_mean"):
-        print(f"the reward model's config has no `reward_mean` (not saved by reward_model.py): scores are used as is")
+        print("the reward model's config has no `reward_mean` (not saved by reward_model.py): scores are used as is")
 
     # Sampling: plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled
     # distribution differ from the one whose log-probs we compute (no top-k, no top-p, no min_new_tokens, which
@@ -447,11 +449,12 @@ if __name__ == "__main__":
     start_time = time.time()
     for iteration in range(start_iteration, args.num_iterations):
         # Every iteration draws its prompts and samples from seeds of its own, so that a resumed run repeats exactly
-        # what an uninterrupted one would have done.
-        torch.manual_seed(args.seed * 100_003 + iteration * args.world_size + rank)
-        order = np.random.default_rng([args.seed, iteration // (len(prompts) // args.batch_size)]).permutation(len(prompts))
-        batch_start = (iteration % (len(prompts) // args.batch_size)) * args.batch_size + rank * args.per_device_rollout_batch_size
-        batch_prompts = [prompts[i] for i in order[batch_start : batch_start + args.per_device_rollout_batch_size]]
+        # what an uninterrupted one would have done. The prompts are shuffled once per pass over the data set.
+        batches_per_pass = len(prompts) // args.batch_size
+        order = np.random.default_rng([args.seed, iteration // batches_per_pass]).permutation(len(prompts))
+        first = (iteration % batches_per_pass) * args.batch_size + rank * args.per_device_rollout_batch_size
+        batch_prompts = [prompts[i] for i in order[first : first + args.per_device_rollout_batch_size]]
+        torch.manual_seed(args.seed * 100_003 + iteration * args.world_size + rank)  # sampling, mini-batch shuffles
         padded = tokenizer.pad({"input_ids": batch_prompts}, return_tensors="pt")  # left padding
         prompt_ids, prompt_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device)
         P = prompt_ids.shape[1]  # prompt length of this batch, padding included
@@ -460,44 +463,51 @@ if __name__ == "__main__":
         # ROLLOUT
         rollout_start = time.time()
         with torch.no_grad():
-            # 1. Generate: sample a response to every prompt from the current policy pi_theta.
-            actor.eval()
-            with gathered_for_generation(actor, args.actor_zero_stage == 3 and args.gather_actor_for_generation):
+            # 1. Generate: sample a response to every prompt from the current policy pi_theta. With the weights
+            # gathered, generation makes no collective call; without, every token all-gathers each layer, and
+            # synced_gpus keeps the ranks stepping together until all are done, so that none waits forever.
+            gather_actor = args.actor_zero_stage == 3 and args.gather_weights_for_rollout
+            with gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
+                actor.eval()  # in train mode, gradient checkpointing would switch generate's key-value cache off
                 sequences = actor.module.generate(
                     input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
-                    synced_gpus=args.actor_zero_stage == 3,  # under ZeRO-3, ranks keep stepping until all are done
+                    synced_gpus=args.actor_zero_stage == 3 and not gather_actor,
                 )
-            actor.train()
-            responses = sequences[:, P:]
-            responses = torch.nn.functional.pad(responses, (0, R - responses.shape[1]), value=tokenizer.pad_token_id)
-            generation_time = time.time() - rollout_start
+                actor.train()
+                responses = sequences[:, P:]
+                responses = torch.nn.functional.pad(responses, (0, R - responses.shape[1]), value=tokenizer.pad_token_id)
+                generation_time = time.time() - rollout_start
 
-            # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
-            response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
-            responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
-            sequences = torch.cat([prompt_ids, responses], dim=1)
-            attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-            contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
+                # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
+                response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
+                responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
+                sequences = torch.cat([prompt_ids, responses], dim=1)
+                attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+                contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
 
-            # 3.-4. Forward passes, in chunks of the micro-batch size: log pi_theta(a_t|s_t) and log pi_ref(a_t|s_t)
-            # of each response token, V(s_t) before each token, and the reward model's score r(x, y).
-            logprobs, ref_logprobs, values, scores = [], [], [], []
-            for i in range(0, len(sequences), args.per_device_train_batch_size):
-                seq = sequences[i : i + args.per_device_train_batch_size]
-                mask = attention_mask[i : i + args.per_device_train_batch_size]
-                logprobs.append(rlhf_math.logprobs_from_logits(
-                    response_logits(actor, seq, mask, P), seq[:, P:], args.temperature))
-                ref_logprobs.append(rlhf_math.logprobs_from_logits(
-                    response_logits(reference, seq, mask, P), seq[:, P:], args.temperature))
-                # V(s_t) is the critic's output at the last token of the state, one position before a_t.
-                values.append(head_at_every_position(critic.module, seq, mask)[:, P - 1 : -1] - critic_mean)
-                # 3. Score prompt + truncated response at its last real token (the EOS, or the last token of a
-                # response cut at max_new_tokens), where rlhf_math.per_token_rewards also lands it.
-                last = response_mask[i : i + args.per_device_train_batch_size].sum(dim=1) - 1
-                token_scores = head_at_every_position(reward.module, seq, mask)[:, P:]
-                scores.append(token_scores[torch.arange(len(seq), device=device), last] - reward_mean)
-            logprobs, ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
-            values, scores = torch.cat(values), torch.cat(scores)
+                # 3.-4. Forward passes of the four models, one model at a time, in chunks of the micro-batch size.
+                # First log pi_theta(a_t|s_t) of each response token, at the sampling temperature.
+                chunks = [slice(i, i + args.per_device_train_batch_size)
+                          for i in range(0, len(sequences), args.per_device_train_batch_size)]
+                logprobs = torch.cat([rlhf_math.logprobs_from_logits(
+                    response_logits(actor.module, sequences[c], attention_mask[c], P), responses[c], args.temperature)
+                    for c in chunks])
+            # log pi_ref(a_t|s_t), the same way.
+            with gathered(reference, reference_stage == 3 and args.gather_weights_for_rollout):
+                ref_logprobs = torch.cat([rlhf_math.logprobs_from_logits(
+                    response_logits(reference.module, sequences[c], attention_mask[c], P), responses[c],
+                    args.temperature) for c in chunks])
+            # V(s_t) is the critic's output at the last token of the state, one position before a_t.
+            with gathered(critic, args.critic_zero_stage == 3 and args.gather_weights_for_rollout):
+                values = torch.cat([head_at_every_position(critic.module, sequences[c], attention_mask[c])[:, P - 1 : -1]
+                                    for c in chunks]) - critic_mean
+            # 3. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
+            # cut at max_new_tokens), the position where rlhf_math.per_token_rewards also lands it.
+            with gathered(reward, reward_stage == 3 and args.gather_weights_for_rollout):
+                token_scores = torch.cat([head_at_every_position(reward.module, sequences[c], attention_mask[c])[:, P:]
+                                          for c in chunks])
+            last = response_mask.sum(dim=1) - 1
+            scores = token_scores[torch.arange(len(sequences), device=device), last] - reward_mean
             # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
             if args.missing_eos_penalty is not None:
                 scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
@@ -537,7 +547,7 @@ if __name__ == "__main__":
                 torch.randperm(args.per_device_rollout_batch_size, device=device).split(args.per_device_train_batch_size)
             ):
                 mb = {k: v[index] for k, v in rollout.items()}
-                new_logits = response_logits(actor, mb["sequences"], mb["attention_mask"], P)
+                new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], P)
                 new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, P:], args.temperature)
                 pg_loss, pg_stats = rlhf_math.policy_loss(
                     new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
