@@ -554,11 +554,12 @@ if __name__ == "__main__":
                 new_values = head_at_every_position(critic.module, mb["sequences"], mb["attention_mask"])[:, P - 1 : -1]
                 vf_loss, vf_clipfrac = rlhf_math.value_loss(
                     new_values - critic_mean, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
-                # Before the first step the policy is the one that sampled: the ratio must be exactly 1. If not,
-                # the log-probs do not match the sampling (dropout on, another temperature, another model).
+                # Before the first step the policy is the one that sampled: in fp32 the ratio is exactly 1, bit for
+                # bit, on one rank or several, ZeRO-3 included. If not, the update's log-probs are not computed as the
+                # rollout's were (dropout on, another temperature, a nondeterministic kernel).
                 if epoch == 0 and micro_step == 0 and args.dtype == "fp32":
-                    if abs(pg_stats["ratio"].item() - 1) > 1e-4 or pg_stats["approxkl"].item() > 1e-6:
-                        fail(f"iteration {iteration}: the first PPO ratio is {pg_stats['ratio'].item():.6f}, not 1 "
+                    if pg_stats["ratio"].item() != 1.0 or pg_stats["approxkl"].item() != 0.0:
+                        fail(f"iteration {iteration}: the first PPO ratio is {pg_stats['ratio'].item()!r}, not exactly 1 "
                              f"(approxkl {pg_stats['approxkl'].item():.2e}): the update's log-probs differ from the "
                              "rollout's; is dropout on (--disable-dropout) or the model nondeterministic?")
                 for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:

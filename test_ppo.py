@@ -127,6 +127,16 @@ def test_missing_eos_penalty(stages, tmp_path):
             assert m["objective/scores"] == pytest.approx(-1.0)
 
 
+def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
+    # --offload puts actor and critic optimizer states in CPU memory (DeepSpeedCPUAdam, compiled on first use);
+    # the frozen models' own offload runs them under ZeRO-3 with their parameters in CPU memory.
+    result, exp_name = run_ppo(stages, tmp_path / "offload", "--total-episodes", "16", "--offload",
+                               "--offload-reference-model", "--offload-reward-model", "--dtype", "bf16",
+                               "--actor-gradient-checkpointing", "--critic-gradient-checkpointing")
+    check_metrics(read_metrics(exp_name), 2)
+    check_actor_trained(tmp_path / "offload", stages)
+
+
 def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path):
     flags = ["--total-episodes", "64", "--save-every", "2", "--sample-every", "0"]
     _, exp_name = run_ppo(stages, tmp_path / "straight", *flags)
@@ -155,6 +165,25 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path):
         before = uninterrupted[after["iteration"] - 1]
         for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
             assert after[name] == pytest.approx(before[name], rel=1e-5, abs=1e-6), (after["iteration"], name)
+
+
+def test_first_ratio_check_catches_dropout(stages, tmp_path):
+    # The SFT model with attention dropout 0.3: kept on (--no-disable-dropout), the update's log-probs no longer
+    # match the rollout's, and the run stops at the first mini-batch instead of training on a wrong ratio.
+    model_dir = tmp_path / "with_dropout"
+    shutil.copytree(stages[1], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    flags = ["--total-episodes", "16", "--actor-model-name-or-path", str(model_dir)]
+    result, _ = run_ppo(stages, tmp_path / "dropout", *flags, "--no-disable-dropout", check=False)
+    assert "iteration 0: the first PPO ratio is" in error_of(result)
+    run_ppo(stages, tmp_path / "no_dropout", *flags)  # dropout disabled, as by default: the ratio is exactly 1
+
+
+def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--actor-learning-rate", "1e30",
+                        "--critic-learning-rate", "1e30", check=False)
+    assert "_avg is nan; lower the learning rates" in error_of(result)
 
 
 def test_bad_batch_arithmetic_and_paths(stages, tmp_path):
