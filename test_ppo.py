@@ -196,3 +196,16 @@ def test_bad_batch_arithmetic_and_paths(stages, tmp_path):
     assert "no model folder at" in error_of(result)
     result, _ = run_ppo(stages, tmp_path, "--actor-zero-stage", "4", check=False)
     assert result.returncode != 0 and "--actor-zero-stage" in result.stderr
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--dtype", "fp16", check=False)
+    assert "--dtype fp16 needs a GPU" in error_of(result)
+
+
+def test_reward_model_with_another_tokenizer(stages, tmp_path):
+    other = tmp_path / "other_rm"
+    shutil.copytree(stages[3], other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<|a token the actor does not have|>"])
+    tokenizer.save_pretrained(other)
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--reward-model-name-or-path", str(other),
+                        check=False)
+    assert "has another tokenizer than the actor" in error_of(result)
