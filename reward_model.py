@@ -14,6 +14,7 @@ are centred at 0 (reward normalization, "The N+ implementation details of RLHF w
     deepspeed --num_gpus 2 reward_model.py --zero-stage 3    # the same, on 2 ranks with ZeRO-3
 """
 
+import functools
 import math
 import os
 import random
@@ -262,9 +263,11 @@ if __name__ == "__main__":
 
     # Data
     columns = [args.prompt_column, args.chosen_column, args.rejected_column]
-    train_data = tokenize_pairs(load_split(args.dataset, args.train_split, columns), tokenizer, args, "train")
-    eval_data = tokenize_pairs(load_split(args.dataset, args.eval_split, columns), tokenizer, args, "eval")
-    collate_fn = lambda examples: collate(examples, tokenizer.pad_token_id)  # noqa: E731
+    train_data = tokenize_pairs(load_split(args.dataset, args.train_split, columns), tokenizer, args,
+                                args.train_split)
+    eval_data = tokenize_pairs(load_split(args.dataset, args.eval_split, columns), tokenizer, args,
+                               args.eval_split)
+    collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     train_sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler, collate_fn=collate_fn)
     # Each rank evaluates every world_size-th example, so that the held-out figures cover the split exactly once.

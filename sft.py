@@ -9,6 +9,7 @@ reward model (stage 2) and of the PPO actor and reference (stage 3).
     deepspeed --num_gpus 2 sft.py --zero-stage 3    # the same, on 2 ranks with ZeRO-3
 """
 
+import functools
 import math
 import os
 import random
@@ -242,9 +243,11 @@ if __name__ == "__main__":
 
     # Data
     columns = [args.prompt_column, args.response_column]
-    train_data = tokenize_demonstrations(load_split(args.dataset, args.train_split, columns), tokenizer, args, "train")
-    eval_data = tokenize_demonstrations(load_split(args.dataset, args.eval_split, columns), tokenizer, args, "eval")
-    collate_fn = lambda examples: collate(examples, tokenizer.pad_token_id)  # noqa: E731
+    train_data = tokenize_demonstrations(load_split(args.dataset, args.train_split, columns), tokenizer, args,
+                                         args.train_split)
+    eval_data = tokenize_demonstrations(load_split(args.dataset, args.eval_split, columns), tokenizer, args,
+                                        args.eval_split)
+    collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     train_sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler, collate_fn=collate_fn)
     # Each rank evaluates every world_size-th example, so that the held-out figures cover the split exactly once.
