@@ -516,27 +516,30 @@ if __name__ == "__main__":
             real_tokens = response_mask.sum(dim=1) - contains_eos.long()
             valid = real_tokens >= args.min_response_tokens
             update_mask = response_mask * valid.unsqueeze(1)
+            num_invalid = int((~valid).sum())
 
             # 4. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
             rewards, kl = rlhf_math.per_token_rewards(
                 scores, logprobs, ref_logprobs, update_mask, kl_coef, args.clip_score, args.kl_estimator)
-            if args.whiten_rewards:
-                rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False)
-            advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma, args.lam)
-            if args.whiten_advantages:
-                advantages = rlhf_math.masked_whiten(advantages, update_mask)
-
-            rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
-                           advantages=advantages, returns=returns, mask=update_mask)
-            num_invalid = int((~valid).sum())
-            if num_invalid == len(valid):
+            if num_invalid < len(valid):
+                if args.whiten_rewards:
+                    rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False)
+                advantages, returns = rlhf_math.gae_advantages_and_returns(
+                    rewards, values, update_mask, args.gamma, args.lam)
+                if args.whiten_advantages:
+                    advantages = rlhf_math.masked_whiten(advantages, update_mask)
+                rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
+                               advantages=advantages, returns=returns, mask=update_mask)
+                last_valid_rollout = (rollout, P)
+                reused = False
+            else:  # nothing to learn from: DeepSpeed-Chat's fallback is to train on the last valid batch again
                 if last_valid_rollout is None:
                     fail(f"iteration {iteration}: no response has --min-response-tokens {args.min_response_tokens} "
                          "real tokens, and there is no earlier batch to reuse; check the SFT model and max_new_tokens")
                 print(f"warning: rank {rank}, iteration {iteration}: every response is invalid; reusing the last "
-                      "valid batch (DeepSpeed-Chat's fallback)")
-                rollout = last_valid_rollout
-            last_valid_rollout = rollout
+                      "valid batch")
+                rollout, P = last_valid_rollout  # with its own prompt length
+                reused = True  # sampled by an older policy: its first ratio is not 1
         rollout_time = time.time() - rollout_start
 
         # UPDATE: num_ppo_epochs passes over the batch, each split into num_mini_batches optimizer steps.
@@ -557,7 +560,7 @@ if __name__ == "__main__":
                 # Before the first step the policy is the one that sampled: in fp32 the ratio is exactly 1, bit for
                 # bit, on one rank or several, ZeRO-3 included. If not, the update's log-probs are not computed as the
                 # rollout's were (dropout on, another temperature, a nondeterministic kernel).
-                if epoch == 0 and micro_step == 0 and args.dtype == "fp32":
+                if epoch == 0 and micro_step == 0 and args.dtype == "fp32" and not reused:
                     if pg_stats["ratio"].item() != 1.0 or pg_stats["approxkl"].item() != 0.0:
                         fail(f"iteration {iteration}: the first PPO ratio is {pg_stats['ratio'].item()!r}, not exactly 1 "
                              f"(approxkl {pg_stats['approxkl'].item():.2e}): the update's log-probs differ from the "

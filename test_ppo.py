@@ -180,6 +180,11 @@ def test_first_ratio_check_catches_dropout(stages, tmp_path):
     run_ppo(stages, tmp_path / "no_dropout", *flags)  # dropout disabled, as by default: the ratio is exactly 1
 
 
+def test_a_batch_of_invalid_generations_with_nothing_to_reuse(stages, tmp_path):
+    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--min-response-tokens", "1000", check=False)
+    assert "iteration 0: no response has --min-response-tokens 1000 real tokens" in error_of(result)
+
+
 def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
     result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--actor-learning-rate", "1e30",
                         "--critic-learning-rate", "1e30", check=False)
