@@ -189,6 +189,12 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def require_model_folder(path: str, flag: str, stage: str) -> None:
+    """A path (not a hub name) must be a folder, checked before anything is loaded."""
+    if not os.path.isdir(path) and os.path.sep in path:
+        fail(f"no model folder at {path!r}; run {stage} first or check {flag}")
+
+
 def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
@@ -215,8 +221,6 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
                 gradient_checkpointing: bool = False):
     """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a linear learning-rate decay when a
     learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward)."""
-    if not os.path.isdir(path) and os.path.sep in path:
-        fail(f"no model folder at {path!r}; train the earlier stages first (sft.py, reward_model.py) or check the path")
     # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -338,16 +342,15 @@ if __name__ == "__main__":
         "rollout batch per mini-batch / --per-device-train-batch-size")
 
     # Tokenizer: the SFT model's, left padding for the prompts. Its pad token must not be EOS (stage 1 makes sure).
-    if not os.path.isdir(args.actor_model_name_or_path) and os.path.sep in args.actor_model_name_or_path:
-        fail(f"no model folder at {args.actor_model_name_or_path!r}; run sft.py first or check --actor-model-name-or-path")
+    critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
+    require_model_folder(args.actor_model_name_or_path, "--actor-model-name-or-path", "sft.py")
+    require_model_folder(args.reward_model_name_or_path, "--reward-model-name-or-path", "reward_model.py")
+    require_model_folder(critic_path, "--critic-model-name-or-path", "reward_model.py")
     tokenizer = AutoTokenizer.from_pretrained(args.actor_model_name_or_path, padding_side="left",
                                               trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
              "a model saved by sft.py has one")
-    if not os.path.isdir(args.reward_model_name_or_path) and os.path.sep in args.reward_model_name_or_path:
-        fail(f"no model folder at {args.reward_model_name_or_path!r}; run reward_model.py first or check "
-             "--reward-model-name-or-path")
     reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_name_or_path,
                                                      trust_remote_code=args.trust_remote_code)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -386,7 +389,6 @@ if __name__ == "__main__":
     # ZeRO-3's parameter partitioning, so it implies ZeRO-3.
     reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
     reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
-    critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
     actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
                         deepspeed_config(args.actor_zero_stage, True, args.offload, args), args,
                         args.actor_learning_rate, args.actor_gradient_checkpointing)
@@ -606,9 +608,9 @@ if __name__ == "__main__":
                 "val/response_length": response_mask.sum(dim=1).float().mean(),
                 "val/num_invalid": torch.tensor(float(num_invalid), device=device),
             }
-            values_tensor = torch.stack([v.float() for v in local.values()])
-            dist.all_reduce(values_tensor)
-            metrics = dict(zip(local, (values_tensor / args.world_size).tolist()))
+            summed = torch.stack([v.float() for v in local.values()])
+            dist.all_reduce(summed)
+            metrics = dict(zip(local, (summed / args.world_size).tolist()))
         scores_variance = metrics.pop("objective/scores_squared") - metrics["objective/scores"] ** 2
         metrics["objective/scores_std"] = max(scores_variance, 0.0) ** 0.5
         metrics["val/num_eos_tokens"] *= args.world_size  # a count over all ranks, not a mean
