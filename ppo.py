@@ -27,6 +27,7 @@ from typing import Literal
 import datasets
 import deepspeed
 import numpy as np
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import tyro
@@ -55,7 +56,7 @@ class Args:
     seed: int = 1
     """seed of the experiment (prompt order, sampling)"""
     output_dir: str = "checkpoints/ppo"
-    """where the trained actor and critic are saved (actor/, critic/), and the DeepSpeed checkpoints (deepspeed/)"""
+    """where the trained actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/)"""
     track: bool = False
     """log to Weights & Biases (tensorboard logs and metrics.jsonl are always written to runs/RUN_NAME/)"""
     wandb_project_name: str = "ppo-rlhf"
@@ -63,9 +64,9 @@ class Args:
     sample_every: int = 10
     """print a table of a few prompts, responses and scores every this many iterations (0: never)"""
     save_every: int = 0
-    """write a DeepSpeed checkpoint of actor and critic every this many iterations, for --resume (0: never)"""
+    """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
     resume: bool = False
-    """continue from the latest DeepSpeed checkpoint in OUTPUT_DIR/deepspeed"""
+    """continue from the latest complete checkpoint in OUTPUT_DIR/resume"""
 
     # Models and data
     actor_model_name_or_path: str = "checkpoints/sft"
@@ -311,6 +312,66 @@ def save_hf_folder(engine, tokenizer, path: str, zero_stage: int, is_main: bool)
             os.replace(tmp_dir, path)
 
 
+def save_training_state(engine, path: str, is_main: bool) -> dict:
+    """What --resume needs of a trained model, in safetensors (nothing that a load would unpickle): the fp32 master
+    weights, as a Hugging Face folder that init_engine loads, and Adam's moments in adam.safetensors. Each tensor is
+    whole, gathered from the ranks' partitions under ZeRO (every rank takes part; rank 0 writes). Returns the
+    optimizer's step count and the scheduler's state, for state.json."""
+    # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
+    # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
+    base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    plain = engine.optimizer is base_optimizer
+    weights, moments = {}, {}
+    for name, param in engine.module.named_parameters():
+        if plain:
+            master, state = param.detach(), engine.optimizer.state[param]
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        else:
+            master = deepspeed.utils.safe_get_full_fp32_param(param)
+            exp_avg = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg")
+            exp_avg_sq = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg_sq")
+        if is_main:
+            weights[name] = master.float().cpu().contiguous()
+            moments[f"{name}.exp_avg"] = exp_avg.cpu().contiguous()
+            moments[f"{name}.exp_avg_sq"] = exp_avg_sq.cpu().contiguous()
+    if is_main:
+        engine.module.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
+    adam_step = int(next(iter(base_optimizer.state.values()))["step"])
+    return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict()}
+
+
+def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
+    """Restore Adam's moments, step count and learning rate that save_training_state wrote. The weights were
+    already loaded (init_engine read them from the same folder); under bf16 or ZeRO the fp32 master copy is set
+    again here, since the model's own weights may be rounded to bf16."""
+    # DeepSpeed creates Adam's moments lazily, at the first optimizer step. One step with learning rate 0 and zero
+    # gradients creates them without moving any weight; they are overwritten below.
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    for _ in range(engine.gradient_accumulation_steps()):
+        engine.backward(engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits.sum() * 0.0)
+        engine.step()
+    weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+    moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
+    base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for name, param in engine.module.named_parameters():
+        if engine.optimizer is base_optimizer:  # ZeRO-0 in fp32, as in save_training_state
+            state = engine.optimizer.state[param]
+            state["exp_avg"].copy_(moments[f"{name}.exp_avg"])
+            state["exp_avg_sq"].copy_(moments[f"{name}.exp_avg_sq"])
+        else:
+            deepspeed.utils.safe_set_full_fp32_param(param, weights[name].to(device))
+            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg"].to(device), "exp_avg")
+            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg_sq"].to(device), "exp_avg_sq")
+    for state in base_optimizer.state.values():
+        state["step"] = torch.full_like(state["step"], saved["adam_step"]) if torch.is_tensor(state["step"]) \
+            else saved["adam_step"]
+    engine.lr_scheduler.load_state_dict(saved["scheduler"])
+    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
 
@@ -340,6 +401,9 @@ if __name__ == "__main__":
     args.gradient_accumulation_steps = exact_div(
         args.per_device_mini_batch_size, args.per_device_train_batch_size,
         "rollout batch per mini-batch / --per-device-train-batch-size")
+    if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
+        fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score {args.clip_score}]: "
+             "the score it replaces is clipped to [-clip_score, clip_score]")
 
     # Tokenizer: the SFT model's, left padding for the prompts. Its pad token must not be EOS (stage 1 makes sure).
     critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
@@ -389,12 +453,23 @@ if __name__ == "__main__":
     # ZeRO-3's parameter partitioning, so it implies ZeRO-3.
     reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
     reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
-    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
+    # --resume: actor and critic start from the latest complete checkpoint, which save_training_state wrote.
+    checkpoint_dir = os.path.join(args.output_dir, "resume")
+    actor_start, critic_start = args.actor_model_name_or_path, critic_path
+    if args.resume:
+        if not os.path.isfile(os.path.join(checkpoint_dir, "latest")):
+            fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
+        with open(os.path.join(checkpoint_dir, "latest")) as f:
+            resume_dir = os.path.join(checkpoint_dir, f.read().strip())
+        with open(os.path.join(resume_dir, "state.json")) as f:
+            resume_state = json.load(f)
+        actor_start, critic_start = os.path.join(resume_dir, "actor"), os.path.join(resume_dir, "critic")
+    actor = init_engine(AutoModelForCausalLM, actor_start,
                         deepspeed_config(args.actor_zero_stage, True, args.offload, args), args,
                         args.actor_learning_rate, args.actor_gradient_checkpointing)
     reference = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
                             deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
-    critic = init_engine(AutoModelForSequenceClassification, critic_path,
+    critic = init_engine(AutoModelForSequenceClassification, critic_start,
                          deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
                          args.critic_learning_rate, args.critic_gradient_checkpointing)
     reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
@@ -420,18 +495,12 @@ if __name__ == "__main__":
     )
     kl_coef = args.kl_coef
     start_iteration = 0
-    checkpoint_dir = os.path.join(args.output_dir, "deepspeed")
     if args.resume:
-        marker = os.path.join(checkpoint_dir, "latest_iteration")
-        if not os.path.isfile(marker):
-            fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
-        with open(marker) as f:
-            tag = f.read().strip()
-        _, client_state = actor.load_checkpoint(os.path.join(checkpoint_dir, "actor"), tag=tag)
-        critic.load_checkpoint(os.path.join(checkpoint_dir, "critic"), tag=tag)
-        start_iteration, kl_coef = client_state["iteration"], client_state["kl_coef"]
+        load_training_state(actor, actor_start, resume_state["actor"], device)
+        load_training_state(critic, critic_start, resume_state["critic"], device)
+        start_iteration, kl_coef = resume_state["iteration"], resume_state["kl_coef"]
         if is_main:
-            print(f"resumed from {checkpoint_dir} at iteration {start_iteration}")
+            print(f"resumed from {resume_dir} at iteration {start_iteration}")
 
     # Logging: tensorboard and a JSON-lines file always, wandb with --track, the hyperparameters as a table.
     run_dir = os.path.join("runs", run_name)
@@ -487,7 +556,8 @@ if __name__ == "__main__":
                 attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
                 contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
 
-                # 3.-4. Forward passes of the four models, one model at a time, in chunks of the micro-batch size.
+                # 3. Log-probs and values: forward passes of actor, reference and critic, one model at a time, in
+                # chunks of the micro-batch size.
                 # First log pi_theta(a_t|s_t) of each response token, at the sampling temperature.
                 chunks = [slice(i, i + args.per_device_train_batch_size)
                           for i in range(0, len(sequences), args.per_device_train_batch_size)]
@@ -503,7 +573,7 @@ if __name__ == "__main__":
             with gathered(critic, args.critic_zero_stage == 3 and args.gather_weights_for_rollout):
                 values = torch.cat([head_at_every_position(critic.module, sequences[c], attention_mask[c])[:, P - 1 : -1]
                                     for c in chunks]) - critic_mean
-            # 3. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
+            # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
             # cut at max_new_tokens), the position where rlhf_math.per_token_rewards also lands it.
             with gathered(reward, reward_stage == 3 and args.gather_weights_for_rollout):
                 token_scores = torch.cat([head_at_every_position(reward.module, sequences[c], attention_mask[c])[:, P:]
@@ -520,7 +590,7 @@ if __name__ == "__main__":
             update_mask = response_mask * valid.unsqueeze(1)
             num_invalid = int((~valid).sum())
 
-            # 4. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
+            # 6. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
             rewards, kl = rlhf_math.per_token_rewards(
                 scores, logprobs, ref_logprobs, update_mask, kl_coef, args.clip_score, args.kl_estimator)
             if num_invalid < len(valid):
@@ -642,20 +712,24 @@ if __name__ == "__main__":
                                   tokenizer.decode(responses[i], skip_special_tokens=True), f"{scores[i].item():+.2f}")
                 Console().print(table)
 
-        # DeepSpeed checkpoints for --resume. Actor and critic are saved under the same tag, and a marker naming
-        # the tag is written (then renamed into place) only after both are complete.
+        # A checkpoint for --resume: written to a temporary folder, renamed into place once complete, and only then
+        # named in `latest`; a run killed at any moment leaves the previous checkpoint whole.
         if args.save_every and (iteration + 1) % args.save_every == 0:
-            tag = f"iteration_{iteration + 1}"
-            client_state = {"iteration": iteration + 1, "kl_coef": kl_coef}
-            actor.save_checkpoint(os.path.join(checkpoint_dir, "actor"), tag=tag, client_state=client_state,
-                                  save_latest=False)
-            critic.save_checkpoint(os.path.join(checkpoint_dir, "critic"), tag=tag, save_latest=False)
-            dist.barrier()
+            path = os.path.join(checkpoint_dir, f"iteration_{iteration + 1}")
+            state = {"iteration": iteration + 1, "kl_coef": kl_coef,
+                     "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
+                     "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
             if is_main:
-                with open(os.path.join(checkpoint_dir, "latest_iteration.tmp"), "w") as f:
-                    f.write(tag)
-                os.replace(os.path.join(checkpoint_dir, "latest_iteration.tmp"),
-                           os.path.join(checkpoint_dir, "latest_iteration"))
+                with open(os.path.join(path + ".tmp", "state.json"), "w") as f:
+                    json.dump(state, f)
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(path + ".tmp", path)
+                with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
+                    f.write(os.path.basename(path))
+                os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
+                for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
+                    if old.startswith("iteration_") and old != os.path.basename(path):
+                        shutil.rmtree(os.path.join(checkpoint_dir, old))
 
     # Save the trained actor and critic as ordinary Hugging Face folders.
     save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, is_main)

@@ -95,15 +95,6 @@ def test_generation_and_forward_log_probs_agree():
     torch.testing.assert_close(forward_logprobs, sampled_logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_two_ranks_actor_zero3_critic_zero2(stages, tmp_path):
-    out = tmp_path / "z3"
-    result, exp_name = run_ppo(stages, out, "--total-episodes", "32", "--actor-zero-stage", "3",
-                               "--critic-zero-stage", "2", ranks=2)
-    assert "iteration 2/2" in result.stdout
-    check_metrics(read_metrics(exp_name), 2)
-    check_actor_trained(out, stages)
-
-
 def test_two_ranks_zero0(stages, tmp_path):
     out = tmp_path / "z0"
     result, exp_name = run_ppo(stages, out, "--total-episodes", "32", ranks=2)
@@ -137,30 +128,56 @@ def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
     check_actor_trained(tmp_path / "offload", stages)
 
 
-def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path):
-    flags = ["--total-episodes", "64", "--save-every", "2", "--sample-every", "0"]
-    _, exp_name = run_ppo(stages, tmp_path / "straight", *flags)
-    uninterrupted = read_metrics(exp_name)
-
-    # The same run, killed (SIGKILL: no chance to clean up) once its first checkpoint is complete.
-    out = tmp_path / "killed"
-    exp_name = "test_killed"
+def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
+    """Start ppo.py (with --resume when a checkpoint exists), wait until it has completed a checkpoint of its own,
+    then send `sig` to its whole process group (the launcher and its ranks, as a cluster scheduler would). Returns
+    the iteration of the checkpoint and the iterations it logged."""
+    marker = out / "resume" / "latest"
+    before = marker.read_text() if marker.exists() else None
     command = [sys.executable, "ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out),
-               "--exp-name", exp_name]
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    marker = out / "deepspeed" / "latest_iteration"
+               "--exp-name", exp_name] + (["--resume"] if before else [])
+    if ranks:
+        command[1:2] = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "ppo.py"]
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
     deadline = time.time() + 300
-    while not marker.exists() and process.poll() is None and time.time() < deadline:
+    while (not marker.exists() or marker.read_text() == before) and process.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert marker.exists(), process.stderr.read().decode()[-3000:]
+    os.killpg(process.pid, sig)
+    stderr = process.communicate()[1].decode()
+    assert marker.exists() and marker.read_text() != before, stderr[-3000:]
     assert not (out / "actor").exists(), "the run finished before it could be killed"
-    read_metrics(exp_name)
+    return int(marker.read_text().removeprefix("iteration_")), [m["iteration"] for m in read_metrics(exp_name)]
 
-    run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name, "--resume")
+
+@pytest.mark.parametrize("ranks, sigs, flags", [
+    (None, [signal.SIGTERM, signal.SIGKILL], []),
+    (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--dtype", "bf16"]),
+])
+def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
+    """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
+    uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included."""
+    flags = ["--total-episodes", str(64 * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
+    out = tmp_path / "straight"
+    _, exp_name = run_ppo(stages, out, *flags, ranks=ranks)
+    uninterrupted = read_metrics(exp_name)
+    check_metrics(uninterrupted, 8)
+    check_actor_trained(out, stages)
+
+    out, exp_name, done = tmp_path / "killed", f"test_killed_{ranks}", 0
+    for sig in sigs:
+        checkpoint, logged = kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig)
+        assert logged[0] == done + 1 and checkpoint <= logged[-1] < checkpoint + 2  # lost < --save-every iterations
+        done = checkpoint
+    # Checkpoints are safetensors and JSON, nothing pickled; only the latest complete one is kept.
+    files = sorted(str(p.relative_to(out / "resume")) for p in (out / "resume").rglob("*") if p.is_file())
+    assert {os.path.splitext(f)[1] for f in files} <= {".safetensors", ".json", ""}, files
+    assert {f.split(os.sep)[0] for f in files} == {"latest", f"iteration_{done}"}, files
+
+    run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name, "--resume",
+        ranks=ranks)
     resumed = read_metrics(exp_name)
-    assert resumed[-1]["iteration"] == 8 and resumed[0]["iteration"] > 1
+    assert [m["iteration"] for m in resumed] == list(range(done + 1, 9))
     for after in resumed:
         before = uninterrupted[after["iteration"] - 1]
         for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
@@ -214,3 +231,26 @@ def test_reward_model_with_another_tokenizer(stages, tmp_path):
     result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--reward-model-name-or-path", str(other),
                         check=False)
     assert "has another tokenizer than the actor" in error_of(result)
+
+
+def test_evaluate(stages, tmp_path):
+    """evaluate.py compares the SFT and PPO policies on held-out prompts and draws the training curves."""
+    out = tmp_path / "ppo"
+    _, exp_name = run_ppo(stages, out, "--total-episodes", "16")
+    metrics_file = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")[0]
+    flags = ["--sft-model", stages[1], "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
+             "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12", "--metrics-file", metrics_file,
+             "--output-dir", str(tmp_path / "eval")]
+    result = run("evaluate.py", *flags)
+    assert "win rate vs SFT" in result.stdout
+    summary = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert summary["prompts"] == 40 and 0 <= summary["win_rate_ppo_over_sft"] <= 1
+    for policy in ["sft", "ppo"]:
+        assert all(math.isfinite(value) for value in summary[policy].values())
+        assert 1 <= summary[policy]["mean_length"] <= 12  # --max-new-tokens of FEW_ITERATIONS
+    assert (tmp_path / "eval" / "ppo_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    flags[flags.index("--ppo-model") + 1] = str(tmp_path / "missing")
+    result = run("evaluate.py", *flags, check=False)
+    assert "no model.safetensors in" in error_of(result) and "--ppo-model" in error_of(result)
+    read_metrics(exp_name)
