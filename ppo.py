@@ -190,10 +190,36 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def is_hub_name(path: str) -> bool:
+    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
+    The stages' own outputs (checkpoints/...) are local, even before the stage that writes them has run."""
+    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
+                or os.path.isdir(path.split("/")[0]))
+
+
 def require_model_folder(path: str, flag: str, stage: str) -> None:
-    """A path (not a hub name) must be a folder, checked before anything is loaded."""
-    if not os.path.isdir(path) and os.path.sep in path:
+    """A local model folder must hold a config and safetensors weights, checked before anything is loaded: pickle
+    files (pytorch_model.bin) are never loaded, since unpickling a file runs any code it holds."""
+    if is_hub_name(path):
+        return
+    if not os.path.isdir(path):
         fail(f"no model folder at {path!r}; run {stage} first or check {flag}")
+    files = os.listdir(path)
+    if "config.json" not in files:
+        fail(f"{path!r} holds no model (no config.json); run {stage} first or check {flag}")
+    if not any(f.endswith(".safetensors") for f in files):
+        if any(f.endswith(".bin") for f in files):
+            fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
+                 "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
+        fail(f"{path!r} has no model weights (model.safetensors); run {stage} first or check {flag}")
+
+
+def load_tokenizer(path: str, flag: str, **kwargs):
+    """AutoTokenizer.from_pretrained, or a one-line error that names the flag to fix."""
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as error:
+        fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); check {flag}")
 
 
 def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> dict:
@@ -229,7 +255,8 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
-    model = model_class.from_pretrained(path, config=config, trust_remote_code=args.trust_remote_code)
+    model = model_class.from_pretrained(path, config=config, use_safetensors=True,
+                                        trust_remote_code=args.trust_remote_code)
     if learning_rate is None:
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
@@ -374,6 +401,34 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    # Bad flags stop here, with a message that names them, before anything is loaded.
+    for flag, value in [("--total-episodes", args.total_episodes),
+                        ("--per-device-rollout-batch-size", args.per_device_rollout_batch_size),
+                        ("--num-mini-batches", args.num_mini_batches),
+                        ("--per-device-train-batch-size", args.per_device_train_batch_size),
+                        ("--num-ppo-epochs", args.num_ppo_epochs), ("--max-new-tokens", args.max_new_tokens),
+                        ("--max-prompt-len", args.max_prompt_len)]:
+        if value < 1:
+            fail(f"{flag} must be at least 1, not {value}")
+    for flag, value in [("--actor-learning-rate", args.actor_learning_rate),
+                        ("--critic-learning-rate", args.critic_learning_rate), ("--temperature", args.temperature),
+                        ("--cliprange", args.cliprange), ("--cliprange-value", args.cliprange_value),
+                        ("--clip-score", args.clip_score), ("--kl-horizon", args.kl_horizon)]:
+        if not value > 0:
+            fail(f"{flag} must be positive, not {value}")
+    if args.target_kl is not None and not args.target_kl > 0:
+        fail(f"--target-kl must be positive, not {args.target_kl}")
+    for flag, value in [("--kl-coef", args.kl_coef), ("--sample-every", args.sample_every),
+                        ("--save-every", args.save_every)]:
+        if not value >= 0:
+            fail(f"{flag} must not be negative, not {value}")
+    for flag, value in [("--gamma", args.gamma), ("--lam", args.lam)]:
+        if not 0 <= value <= 1:
+            fail(f"{flag} must be between 0 and 1, not {value}")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
+    if os.path.isfile(args.output_dir):
+        fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
 
     # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
     if "RANK" not in os.environ:
@@ -410,26 +465,39 @@ if __name__ == "__main__":
     require_model_folder(args.actor_model_name_or_path, "--actor-model-name-or-path", "sft.py")
     require_model_folder(args.reward_model_name_or_path, "--reward-model-name-or-path", "reward_model.py")
     require_model_folder(critic_path, "--critic-model-name-or-path", "reward_model.py")
-    tokenizer = AutoTokenizer.from_pretrained(args.actor_model_name_or_path, padding_side="left",
-                                              trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, "--actor-model-name-or-path", padding_side="left",
+                               trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
              "a model saved by sft.py has one")
-    reward_tokenizer = AutoTokenizer.from_pretrained(args.reward_model_name_or_path,
-                                                     trust_remote_code=args.trust_remote_code)
+    reward_tokenizer = load_tokenizer(args.reward_model_name_or_path, "--reward-model-name-or-path",
+                                      trust_remote_code=args.trust_remote_code)
     if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         fail(f"the reward model {args.reward_model_name_or_path!r} has another tokenizer than the actor "
              f"{args.actor_model_name_or_path!r}: its scores would read other tokens; train it from the same SFT model")
+    actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
+    if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
+        fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer than the "
+             f"model's {actor_config.max_position_embeddings} positions; lower them")
 
     # Prompts
-    if os.path.isfile(args.dataset):
-        kind = "parquet" if args.dataset.endswith(".parquet") else "json"
-        data = datasets.load_dataset(kind, data_files={args.train_split: args.dataset}, split=args.train_split)
-    else:
-        try:
+    if not os.path.exists(args.dataset) and not is_hub_name(args.dataset):
+        fail(f"no data set at {args.dataset!r}; check --dataset")
+    if os.path.isfile(args.dataset) and not args.dataset.endswith((".json", ".jsonl", ".parquet")):
+        fail(f"--dataset {args.dataset!r} is not a .json, .jsonl or .parquet file")
+    if os.path.isfile(args.dataset) and os.path.getsize(args.dataset) == 0:
+        fail(f"--dataset {args.dataset!r} is an empty file")
+    try:
+        if os.path.isfile(args.dataset):  # one file is every split; a slice such as train[:64] still applies
+            kind = "parquet" if args.dataset.endswith(".parquet") else "json"
+            data = datasets.load_dataset(kind, data_files={args.train_split.split("[")[0]: args.dataset},
+                                         split=args.train_split)
+        else:
             data = datasets.load_dataset(args.dataset, split=args.train_split)
-        except (FileNotFoundError, ValueError) as error:
-            fail(f"cannot load split {args.train_split!r} of data set {args.dataset!r} ({error}); check --dataset")
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        error = error.__cause__ or error  # the generation error's cause says which row is malformed
+        fail(f"cannot load split {args.train_split!r} of data set {args.dataset!r} ({error}); check --dataset "
+             "and --train-split")
     if args.prompt_column not in data.column_names:
         fail(f"data set {args.dataset!r} has no column {args.prompt_column!r}; its columns are {data.column_names}")
     prompts, too_long = [], 0
@@ -443,6 +511,8 @@ if __name__ == "__main__":
             prompts.append(ids)
     if too_long and is_main:
         print(f"dropped {too_long} of {len(data)} prompts longer than --max-prompt-len {args.max_prompt_len}")
+    if not prompts:
+        fail(f"no prompt of split {args.train_split!r} fits --max-prompt-len {args.max_prompt_len}; raise it")
     if len(prompts) < args.batch_size:
         fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
              "raise --max-prompt-len or lower --per-device-rollout-batch-size")

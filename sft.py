@@ -115,16 +115,57 @@ def fail(message: str) -> None:
     raise SystemExit(f"sft.py: error: {message}")
 
 
+def is_hub_name(path: str) -> bool:
+    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
+    The stages' own outputs (checkpoints/...) are local, even before the stage that writes them has run."""
+    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
+                or os.path.isdir(path.split("/")[0]))
+
+
+def check_model_folder(path: str, hint: str) -> None:
+    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
+    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
+    if is_hub_name(path):
+        return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
+    if not os.path.isdir(path):
+        fail(f"no model folder at {path!r}; {hint}")
+    files = os.listdir(path)
+    if "config.json" not in files:
+        fail(f"{path!r} holds no model (no config.json); {hint}")
+    if not any(f.endswith(".safetensors") for f in files):
+        if any(f.endswith(".bin") for f in files):
+            fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
+                 "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
+        fail(f"{path!r} has no model weights (model.safetensors); {hint}")
+
+
+def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
+    """AutoTokenizer.from_pretrained, or a one-line error that says what to fix."""
+    if not is_hub_name(path) and not os.path.isdir(path):
+        fail(f"no tokenizer folder at {path!r}; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
+
+
 def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset:
     """One split of a hub data set or of local .json/.jsonl/.parquet files, checked for the columns we need."""
-    if os.path.isfile(dataset):
-        kind = "parquet" if dataset.endswith(".parquet") else "json"
-        data = datasets.load_dataset(kind, data_files={split: dataset}, split=split)
-    else:
-        try:
+    if not os.path.exists(dataset) and not is_hub_name(dataset):
+        fail(f"no data set at {dataset!r}; check --dataset")
+    if os.path.isfile(dataset) and not dataset.endswith((".json", ".jsonl", ".parquet")):
+        fail(f"--dataset {dataset!r} is not a .json, .jsonl or .parquet file")
+    if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
+        fail(f"--dataset {dataset!r} is an empty file")
+    try:
+        if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
+            kind = "parquet" if dataset.endswith(".parquet") else "json"
+            data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
+        else:
             data = datasets.load_dataset(dataset, split=split)
-        except (FileNotFoundError, ValueError) as error:
-            fail(f"cannot load split {split!r} of data set {dataset!r} ({error}); check --dataset and the split flags")
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        error = error.__cause__ or error  # the generation error's cause says which row is malformed
+        fail(f"cannot load split {split!r} of data set {dataset!r} ({error}); check --dataset and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
         fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
@@ -207,6 +248,22 @@ def evaluate(engine, loader, device) -> float:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    # Bad flags stop here, with a message that names them, before anything is loaded.
+    for flag, value in [("--per-device-train-batch-size", args.per_device_train_batch_size),
+                        ("--per-device-eval-batch-size", args.per_device_eval_batch_size),
+                        ("--gradient-accumulation-steps", args.gradient_accumulation_steps),
+                        ("--num-train-epochs", args.num_train_epochs), ("--logging-steps", args.logging_steps),
+                        ("--max-seq-len", args.max_seq_len)]:
+        if value < 1:
+            fail(f"{flag} must be at least 1, not {value}")
+    if not args.learning_rate > 0:
+        fail(f"--learning-rate must be positive, not {args.learning_rate}")
+    if not 0 <= args.warmup_ratio <= 1:
+        fail(f"--warmup-ratio must be between 0 and 1, not {args.warmup_ratio}")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
+    if os.path.isfile(args.output_dir):
+        fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
 
     # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
     if "RANK" not in os.environ:
@@ -229,10 +286,10 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
 
     # Tokenizer. Padding must not be EOS: then the real EOS would be masked like padding (DeepSpeed-Chat's trap).
+    check_model_folder(args.model_name_or_path, "check --model-name-or-path")
     tokenizer_path = args.tokenizer_name_or_path or args.model_name_or_path
-    if not os.path.isdir(tokenizer_path) and os.path.sep in tokenizer_path:
-        fail(f"no model or tokenizer folder at {tokenizer_path!r}; check --model-name-or-path")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_path, "check --tokenizer-name-or-path" if args.tokenizer_name_or_path
+                               else "check --model-name-or-path", args.trust_remote_code)
     if tokenizer.eos_token_id is None:
         fail(f"the tokenizer of {tokenizer_path!r} has no EOS token; set one, or pick another with --tokenizer-name-or-path")
     added_pad_token = tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id
@@ -249,14 +306,16 @@ if __name__ == "__main__":
                                         args.eval_split)
     collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     train_sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler, collate_fn=collate_fn)
+    train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler,
+                              collate_fn=collate_fn, drop_last=True)
     # Each rank evaluates every world_size-th example, so that the held-out figures cover the split exactly once.
     eval_loader = DataLoader(eval_data[dist.get_rank() :: args.world_size], args.per_device_eval_batch_size,
                              collate_fn=collate_fn)
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     steps_per_epoch = len(train_loader) // args.gradient_accumulation_steps
     if steps_per_epoch == 0:
-        fail(f"{len(train_data)} training rows make no optimizer step of {args.batch_size} sequences; lower the batch size")
+        fail(f"{len(train_data)} training rows make no optimizer step of {args.batch_size} sequences; lower "
+             "--per-device-train-batch-size or --gradient-accumulation-steps")
     args.num_training_steps = steps_per_epoch * args.num_train_epochs
 
     # Model. Under ZeRO-3, HfDeepSpeedConfig (kept alive until deepspeed.initialize) makes from_pretrained load the
@@ -264,12 +323,15 @@ if __name__ == "__main__":
     ds_config = deepspeed_config(args)
     hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero_stage == 3 else None  # noqa: F841
     config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    if args.max_seq_len > getattr(config, "max_position_embeddings", args.max_seq_len):
+        fail(f"--max-seq-len {args.max_seq_len} is longer than the model's {config.max_position_embeddings} positions; "
+             "lower it")
     if args.disable_dropout:
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
     model = AutoModelForCausalLM.from_pretrained(
-        args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+        args.model_name_or_path, config=config, use_safetensors=True, trust_remote_code=args.trust_remote_code
     )
     if added_pad_token:
         model.resize_token_embeddings(len(tokenizer))

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rlhf_math
 from ppo import response_logits
-from test_sft_and_reward_model import ENV, FEW_STEPS, error_of, run
+from test_sft_and_reward_model import ENV, FEW_STEPS, bad, check_errors, error_of, run  # noqa: F401 (bad is a fixture)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
@@ -208,18 +208,37 @@ def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
     assert "_avg is nan; lower the learning rates" in error_of(result)
 
 
-def test_bad_batch_arithmetic_and_paths(stages, tmp_path):
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "20", check=False)
-    assert "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8" in error_of(result)
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--per-device-train-batch-size", "3", check=False)
-    assert "--per-device-train-batch-size: 4 is not divisible by 3" in error_of(result)
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--reward-model-name-or-path",
-                        str(tmp_path / "missing"), check=False)
-    assert "no model folder at" in error_of(result)
-    result, _ = run_ppo(stages, tmp_path, "--actor-zero-stage", "4", check=False)
-    assert result.returncode != 0 and "--actor-zero-stage" in result.stderr
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--dtype", "fp16", check=False)
-    assert "--dtype fp16 needs a GPU" in error_of(result)
+def test_ppo_bad_input(stages, bad, tmp_path):
+    check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16", "--output-dir", str(tmp_path)], [
+        (["--total-episodes", "20"], "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8"),
+        (["--per-device-train-batch-size", "3"], "--per-device-train-batch-size: 4 is not divisible by 3"),
+        (["--total-episodes", "0"], "--total-episodes must be at least 1, not 0"),
+        (["--num-mini-batches", "0"], "--num-mini-batches must be at least 1, not 0"),
+        (["--num-ppo-epochs", "0"], "--num-ppo-epochs must be at least 1, not 0"),
+        (["--temperature", "0"], "--temperature must be positive, not 0.0"),
+        (["--target-kl", "0"], "--target-kl must be positive, not 0.0"),
+        (["--kl-coef", "-0.1"], "--kl-coef must not be negative, not -0.1"),
+        (["--gamma", "2"], "--gamma must be between 0 and 1, not 2.0"),
+        (["--max-new-tokens", "200"], "--max-new-tokens 200 is longer than the model's 128 positions"),
+        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
+        (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
+        (["--prompt-column", "promt"], "has no column 'promt'; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
+        (["--dataset", str(bad / "data.csv")], "data.csv' is not a .json, .jsonl or .parquet file"),
+        (["--train-split", "validation"], "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
+        (["--dataset", str(bad / "empty_prompt.jsonl")], "row 1 of split 'train' has an empty 'prompt'"),
+        (["--max-prompt-len", "2"], "no prompt of split 'train' fits --max-prompt-len 2; raise it"),
+        (["--actor-model-name-or-path", str(bad / "empty_folder")],
+         "holds no model (no config.json); run sft.py first or check --actor-model-name-or-path"),
+        (["--actor-model-name-or-path", str(bad / "pickle_only")],
+         "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
+        (["--reward-model-name-or-path", str(bad / "pickle_only")], "has no model.safetensors"),
+        (["--reward-model-name-or-path", str(tmp_path / "missing")], "no model folder at"),
+        (["--critic-model-name-or-path", str(bad / "no_weights")],
+         "has no model weights (model.safetensors); run reward_model.py first or check --critic-model-name-or-path"),
+        (["--resume"], "--resume: no complete checkpoint"),
+    ])
+    result = run("ppo.py", "--actor-zero-stage", "4", check=False)
+    assert "invalid choice '4' for argument '--actor-zero-stage'" in result.stderr
 
 
 def test_reward_model_with_another_tokenizer(stages, tmp_path):

@@ -6,11 +6,14 @@ checked. The bad-input tests check that each mistake stops the script with a one
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 BASE_MODEL = "toy_task/base_model"
@@ -114,21 +117,87 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_missing_column(tmp_path):
-    result = run("sft.py", *FEW_STEPS, "--response-column", "answer", "--output-dir", str(tmp_path), check=False)
-    assert "has no column ['answer']" in error_of(result)
-    result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--rejected-column", "worse",
-                 "--output-dir", str(tmp_path), check=False)
-    assert "has no column ['worse']" in error_of(result)
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """The wrong files and folders a new user points the scripts at."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty_folder").mkdir()
+    shutil.copytree(BASE_MODEL, root / "no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(BASE_MODEL, root / "pickle_only", ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(f"{BASE_MODEL}/model.safetensors"), root / "pickle_only" / "pytorch_model.bin")
+    row = {"prompt": "A fine film, and", "chosen": " good.", "rejected": " bad."}
+    write_jsonl(root / "empty_prompt.jsonl", [row, {**row, "prompt": "  "}])
+    write_jsonl(root / "empty_rejected.jsonl", [row, {**row, "rejected": ""}])
+    (root / "data.csv").write_text("prompt,chosen,rejected\nA fine film, and,good.,bad.\n")
+    (root / "broken.jsonl").write_text('{"prompt": "A fine film, and", "chosen"\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "a_file").write_text("not a folder")
+    return root
 
 
-def test_empty_prompt(tmp_path):
-    rows = [{"prompt": "A fine film, and", "chosen": " good.", "rejected": " bad."},
-            {"prompt": "  ", "chosen": " good.", "rejected": " bad."}]
-    data = write_jsonl(tmp_path / "data.jsonl", rows)
-    result = run("sft.py", "--dataset", data, "--train-split", "train", "--eval-split", "train",
-                 "--output-dir", str(tmp_path), check=False)
-    assert "row 1 of split 'train' has an empty 'prompt'" in error_of(result)
+def check_errors(script, flags, cases):
+    """Run `script flags case_flags` for each (case_flags, message) case, two at a time (one per core), and check
+    that each stopped with its one-line message, not a stack trace."""
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: run(script, *flags, *case[0], check=False), cases))
+    for (case_flags, message), result in zip(cases, results):
+        assert message in error_of(result) and "Traceback" not in result.stderr, (case_flags, result.stderr[-3000:])
+
+
+def test_sft_bad_input(bad, tmp_path):
+    one_file = ["--train-split", "train", "--eval-split", "train"]
+    check_errors("sft.py", [*FEW_STEPS, "--output-dir", str(tmp_path / "out")], [
+        (["--response-column", "answer"], "has no column ['answer']"),
+        (["--prompt-column", "promt"],
+         "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
+        (["--dataset", str(bad / "nothing")], f"no data set at '{bad}/nothing'; check --dataset"),
+        (["--dataset", str(bad / "data.csv")], "data.csv' is not a .json, .jsonl or .parquet file"),
+        (["--dataset", str(bad / "broken.jsonl"), *one_file], "broken.jsonl' (JSON parse error: Missing a colon"),
+        (["--dataset", str(bad / "empty.jsonl"), *one_file], "empty.jsonl' is an empty file"),
+        (["--eval-split", "dev"], "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
+        (["--dataset", str(bad / "empty_prompt.jsonl"), *one_file], "row 1 of split 'train' has an empty 'prompt'"),
+        # One file is every split, and a slice of it works; here no row of it fits.
+        (["--dataset", "toy_task/data/test.jsonl", "--max-seq-len", "4"],
+         "no row of split 'train[:64]' fits --max-seq-len 4"),
+        (["--max-seq-len", "1000"], "--max-seq-len 1000 is longer than the model's 128 positions"),
+        (["--model-name-or-path", str(bad / "nothing")], "no model folder at"),
+        (["--model-name-or-path", str(bad / "empty_folder")], "empty_folder' holds no model (no config.json)"),
+        (["--model-name-or-path", str(bad / "no_weights")], "no_weights' has no model weights (model.safetensors)"),
+        (["--model-name-or-path", str(bad / "pickle_only")],
+         "pickle_only' has no model.safetensors; only safetensors weights are loaded (no pickle)"),
+        (["--tokenizer-name-or-path", str(bad / "empty_folder")], "cannot load a tokenizer from"),
+        (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be at least 1, not 0"),
+        (["--per-device-train-batch-size", "100"], "64 training rows make no optimizer step of 100 sequences"),
+        (["--learning-rate", "-1"], "--learning-rate must be positive, not -1.0"),
+        (["--num-train-epochs", "0"], "--num-train-epochs must be at least 1, not 0"),
+        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
+        (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
+    ])
+    result = run("sft.py", "--zero-stage", "4", check=False)
+    assert "invalid choice '4' for argument '--zero-stage'" in result.stderr
+    # On 2 ranks every rank says it (the launcher's own lines come last): 2 x 40 sequences > 64 rows.
+    result = run("sft.py", *FEW_STEPS, "--per-device-train-batch-size", "40", "--output-dir", str(tmp_path / "out"),
+                 ranks=2, check=False)
+    assert result.returncode != 0 and "64 training rows make no optimizer step of 80 sequences" in result.stderr
+
+
+def test_reward_model_bad_input(bad, tmp_path):
+    check_errors("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--output-dir", str(tmp_path)], [
+        (["--rejected-column", "worse"], "has no column ['worse']"),
+        (["--dataset", str(bad / "data.csv")], "data.csv' is not a .json, .jsonl or .parquet file"),
+        (["--dataset", str(bad / "empty_rejected.jsonl"), "--train-split", "train", "--eval-split", "train"],
+         "row 1 of split 'train' has an empty 'rejected'"),
+        (["--model-name-or-path", str(bad / "nothing")], "no model folder at"),
+        (["--model-name-or-path", str(bad / "empty_folder")], "holds no model (no config.json)"),
+        (["--model-name-or-path", str(bad / "pickle_only")],
+         "has no model.safetensors; only safetensors weights are loaded"),
+        (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be at least 1, not 0"),
+        (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
+        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
+        (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
+    ])
+    result = run("reward_model.py", "--zero-stage", "4", check=False)
+    assert "invalid choice '4' for argument '--zero-stage'" in result.stderr
 
 
 def test_too_long_rows_are_dropped_and_counted(tmp_path):
@@ -137,17 +206,6 @@ def test_too_long_rows_are_dropped_and_counted(tmp_path):
     result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--max-seq-len", "4",
                  "--output-dir", str(tmp_path / "rm"), check=False)
     assert "fits --max-seq-len 4; raise it" in error_of(result)
-
-
-def test_wrong_model_path(tmp_path):
-    result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(tmp_path / "nothing_here"),
-                 "--output-dir", str(tmp_path), check=False)
-    assert "no model or tokenizer folder at" in error_of(result)
-
-
-def test_fp16_on_cpu(tmp_path):
-    result = run("sft.py", *FEW_STEPS, "--dtype", "fp16", "--output-dir", str(tmp_path), check=False)
-    assert "--dtype fp16 needs a GPU" in error_of(result)
 
 
 def test_tokenizer_without_pad_token_gets_one(tmp_path):
