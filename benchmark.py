@@ -15,6 +15,7 @@ Prints one table and writes it as JSON (--output-json) for comparison across com
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,9 +72,9 @@ class Args:
     """mini-batches per PPO epoch"""
     micro_batches_per_mini_batch: int = 1
     """forward passes per mini-batch (gradient accumulation)"""
-    warmup_iterations: int = 1
+    warmup_iterations: int = 2
     """iterations run but not timed"""
-    iterations: int = 3
+    iterations: int = 5
     """iterations timed"""
     two_rank_stages: list[int] = field(default_factory=lambda: [0, 2, 3])
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""
@@ -105,7 +106,7 @@ def build_models(args: Args, folder: str) -> None:
 
 
 def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
-    """ppo.py's own timings (its metrics file), averaged over the timed iterations, and the peak RSS of a rank."""
+    """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
     exp_name = f"benchmark_{ranks}ranks_zero{stage}"
     per_rank = args.episodes // ranks
     command = [
@@ -136,7 +137,7 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
         timed = [json.loads(line) for line in f][args.warmup_iterations:]
     if any(m["val/response_length"] != args.response_len for m in timed):
         raise SystemExit("benchmark.py: a response stopped early; the timings would not compare")
-    result = {name: sum(m[f"time/{name}"] for m in timed) / len(timed) for name in ["rollout", "generation", "update"]}
+    result = {name: statistics.median(m[f"time/{name}"] for m in timed) for name in ["rollout", "generation", "update"]}
     result["peak_rss_gb"] = rusage.ru_maxrss / 2**20
     return result
 
@@ -193,7 +194,53 @@ def time_limit(args: Args, folder: str, ranks: int) -> dict:
     for _ in range(args.warmup_iterations):
         one_iteration()
     timed = [one_iteration() for _ in range(args.iterations)]
-    return {name: sum(t[name] for t in timed) / len(timed) for name in ["rollout", "generation", "update"]}
+    return {name: statistics.median(t[name] for t in timed) for name in ["rollout", "generation", "update"]}
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def model_memory(args: Args, folder: str) -> list[dict]:
+    """Bytes of parameters, gradients and optimizer state of ppo.py's four engines, built by ppo.py's own functions
+    (one rank, ZeRO-0) and measured after one training step of actor and critic (gradients just before it)."""
+    import socket
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    import ppo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    ppo_args = ppo.Args(dtype=args.dtype, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                        num_iterations=1)
+    device = torch.device(get_accelerator().device_name(0))
+    batch = torch.randint(1, args.vocab_size, (4, args.prompt_len + args.response_len), device=device)
+    rows = []
+    for name, model_class, path, trained in [
+        ("actor", AutoModelForCausalLM, "policy", True), ("reference", AutoModelForCausalLM, "policy", False),
+        ("critic", AutoModelForSequenceClassification, "reward", True),
+        ("reward", AutoModelForSequenceClassification, "reward", False),
+    ]:
+        engine = ppo.init_engine(model_class, os.path.join(folder, path), ppo.deepspeed_config(0, trained, False, ppo_args),
+                                 ppo_args, 1e-6 if trained else None)
+        if trained:
+            engine.backward(engine(input_ids=batch).logits.float().mean())
+        else:
+            with torch.no_grad():
+                engine(input_ids=batch)
+        grads = tensor_bytes(p.grad for p in engine.module.parameters())
+        if trained:
+            engine.step()
+        optimizer_state = tensor_bytes(v for state in engine.optimizer.state.values() for v in state.values()) \
+            if engine.optimizer is not None else 0
+        rows.append({"model": name, "parameters_mb": tensor_bytes(engine.module.parameters()) / 2**20,
+                     "gradients_mb": grads / 2**20, "optimizer_state_mb": optimizer_state / 2**20})
+    return rows
 
 
 if __name__ == "__main__":
@@ -226,6 +273,8 @@ if __name__ == "__main__":
                 "peak_rss_gb": ppo["peak_rss_gb"],
             })
 
+        memory = model_memory(args, folder)
+
     header = ["config", "rollout s (limit, ratio)", "update s (limit, ratio)", "iteration s (ratio)", "episodes/s",
               "gen tokens/s", "gen share", "peak RSS GB"]
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -234,11 +283,14 @@ if __name__ == "__main__":
               f"| {r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_s'] / r['update_limit_s']:.2f}) "
               f"| {r['iteration_s']:.3f} ({r['iteration_s'] / r['iteration_limit_s']:.2f}) | {r['episodes_per_s']:.1f} "
               f"| {r['generated_tokens_per_s']:.0f} | {r['generation_share']:.0%} | {r['peak_rss_gb']:.2f} |")
+    print("\n| model (one rank, ZeRO-0) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
+    for m in memory:
+        print(f"| {m['model']} | {m['parameters_mb']:.2f} | {m['gradients_mb']:.2f} | {m['optimizer_state_mb']:.2f} |")
     by_config = {r["config"]: r for r in rows}
     if "2 ranks, actor ZeRO-3" in by_config and "2 ranks, actor ZeRO-0" in by_config:
         ratio = by_config["2 ranks, actor ZeRO-3"]["rollout_s"] / by_config["2 ranks, actor ZeRO-0"]["rollout_s"]
         print(f"\nrollout time, actor ZeRO-3 / ZeRO-0 on 2 ranks: {ratio:.2f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
-        json.dump({"commit": commit, "args": asdict(args), "rows": rows}, f, indent=2)
+        json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory}, f, indent=2)
     print(f"wrote {args.output_json}")

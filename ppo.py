@@ -226,7 +226,9 @@ def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> di
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
     # DeepSpeed-Chat's threshold: ZeRO-3 keeps parameters under 10k elements (norms, biases) whole on every rank.
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 1e4}
+    # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
+    # whole process and every model in it, with a slower autograd function (benchmark.py: rollout 1.9x ZeRO-0's).
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 1e4, "memory_efficient_linear": False}
     if offload and trained:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload and stage == 3:

@@ -273,3 +273,19 @@ def test_evaluate(stages, tmp_path):
     result = run("evaluate.py", *flags, check=False)
     assert "no model.safetensors in" in error_of(result) and "--ppo-model" in error_of(result)
     read_metrics(exp_name)
+
+
+def test_benchmark(tmp_path):
+    """benchmark.py runs ppo.py (here also on 2 ranks with the actor under ZeRO-3 in fp32, where the first PPO ratio
+    must be exactly 1) and the bare calls, and its figures show no gradients or optimizer state for frozen models."""
+    output = tmp_path / "benchmark.json"
+    run("benchmark.py", "--warmup-iterations", "0", "--iterations", "1", "--two-rank-stages", "3",
+        "--output-json", str(output))
+    result = json.loads(output.read_text())
+    assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0", "2 ranks, actor ZeRO-3"]
+    assert all(r["rollout_s"] > 0 and r["rollout_limit_s"] > 0 and r["update_limit_s"] > 0 for r in result["rows"])
+    memory = {m["model"]: m for m in result["memory"]}
+    for frozen in ["reference", "reward"]:
+        assert memory[frozen]["gradients_mb"] == 0 and memory[frozen]["optimizer_state_mb"] == 0
+    for trained in ["actor", "critic"]:  # AdamW: two moments per parameter
+        assert memory[trained]["optimizer_state_mb"] >= 2 * memory[trained]["parameters_mb"] > 0
