@@ -47,7 +47,7 @@ PRESETS = {
 @dataclass
 class Args:
     preset: Literal["cpu", "pythia-1b"] = "cpu"
-    """the default CPU shape, or a preset from PRESETS that replaces the shape fields"""
+    """the default CPU shape, or a preset from PRESETS that replaces the shape fields left at their defaults"""
     vocab_size: int = 1024
     """vocabulary of the random models"""
     hidden_size: int = 128
@@ -203,7 +203,8 @@ def tensor_bytes(tensors) -> int:
 
 def model_memory(args: Args, folder: str) -> list[dict]:
     """Bytes of parameters, gradients and optimizer state of ppo.py's four engines, built by ppo.py's own functions
-    (one rank, ZeRO-0) and measured after one training step of actor and critic (gradients just before it)."""
+    (one rank, ZeRO-0, fp32: the optimizer is then torch's own AdamW, whose state is all there is) and measured after
+    one training step of actor and critic (gradients just before it)."""
     import socket
 
     import deepspeed
@@ -216,7 +217,7 @@ def model_memory(args: Args, folder: str) -> list[dict]:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
-    ppo_args = ppo.Args(dtype=args.dtype, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+    ppo_args = ppo.Args(dtype="fp32", per_device_train_batch_size=4, gradient_accumulation_steps=1,
                         num_iterations=1)
     device = torch.device(get_accelerator().device_name(0))
     batch = torch.randint(1, args.vocab_size, (4, args.prompt_len + args.response_len), device=device)
@@ -246,8 +247,10 @@ def model_memory(args: Args, folder: str) -> list[dict]:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.preset != "cpu":
+        defaults = Args()
         for key, value in PRESETS[args.preset].items():
-            setattr(args, key, value)
+            if getattr(args, key) == getattr(defaults, key):  # a flag given with another value wins over the preset
+                setattr(args, key, value)
     os.makedirs("runs", exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -283,7 +286,7 @@ if __name__ == "__main__":
               f"| {r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_s'] / r['update_limit_s']:.2f}) "
               f"| {r['iteration_s']:.3f} ({r['iteration_s'] / r['iteration_limit_s']:.2f}) | {r['episodes_per_s']:.1f} "
               f"| {r['generated_tokens_per_s']:.0f} | {r['generation_share']:.0%} | {r['peak_rss_gb']:.2f} |")
-    print("\n| model (one rank, ZeRO-0) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
+    print("\n| model (one rank, ZeRO-0, fp32) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
     for m in memory:
         print(f"| {m['model']} | {m['parameters_mb']:.2f} | {m['gradients_mb']:.2f} | {m['optimizer_state_mb']:.2f} |")
     by_config = {r["config"]: r for r in rows}
