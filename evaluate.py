@@ -116,7 +116,7 @@ if __name__ == "__main__":
 
     if os.path.isfile(args.dataset):
         kind = "parquet" if args.dataset.endswith(".parquet") else "json"
-        data = datasets.load_dataset(kind, data_files={args.split: args.dataset}, split=args.split)
+        data = datasets.load_dataset(kind, data_files={args.split.split("[")[0]: args.dataset}, split=args.split)
     else:
         try:
             data = datasets.load_dataset(args.dataset, split=args.split)
@@ -124,7 +124,8 @@ if __name__ == "__main__":
             fail(f"cannot load split {args.split!r} of data set {args.dataset!r} ({error}); check --dataset")
     if args.prompt_column not in data.column_names:
         fail(f"data set {args.dataset!r} has no column {args.prompt_column!r}; its columns are {data.column_names}")
-    prompts = [ids for ids in tokenizer(list(data[args.prompt_column]))["input_ids"] if 0 < len(ids) <= args.max_prompt_len]
+    prompts = [ids for ids in tokenizer(list(data[args.prompt_column]))["input_ids"]
+               if 0 < len(ids) <= args.max_prompt_len]
     if not prompts:
         fail(f"no prompt of split {args.split!r} fits --max-prompt-len {args.max_prompt_len}")
 
