@@ -139,6 +139,8 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
         raise SystemExit("benchmark.py: a response stopped early; the timings would not compare")
     result = {name: statistics.median(m[f"time/{name}"] for m in timed) for name in ["rollout", "generation", "update"]}
     result["peak_rss_gb"] = rusage.ru_maxrss / 2**20
+    for name in ["max_allocated_gb", "max_reserved_gb"]:  # rank 0's accelerator memory, as ppo.py logs it
+        result[name] = max(m[f"memory/{name}"] for m in timed)
     return result
 
 
@@ -274,18 +276,22 @@ if __name__ == "__main__":
                 "episodes_per_s": args.episodes / iteration,
                 "generated_tokens_per_s": args.episodes * args.response_len / ppo["generation"],
                 "peak_rss_gb": ppo["peak_rss_gb"],
+                "gpu_max_allocated_gb": ppo["max_allocated_gb"], "gpu_max_reserved_gb": ppo["max_reserved_gb"],
             })
 
         memory = model_memory(args, folder)
 
+    on_gpu = torch.cuda.is_available()
     header = ["config", "rollout s (limit, ratio)", "update s (limit, ratio)", "iteration s (ratio)", "episodes/s",
-              "gen tokens/s", "gen share", "peak RSS GB"]
+              "gen tokens/s", "gen share", "peak RSS GB"] + (["GPU max allocated / reserved GB"] if on_gpu else [])
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
-        print(f"| {r['config']} | {r['rollout_s']:.3f} ({r['rollout_limit_s']:.3f}, {r['rollout_s'] / r['rollout_limit_s']:.2f}) "
+        gpu = f" {r['gpu_max_allocated_gb']:.2f} / {r['gpu_max_reserved_gb']:.2f} |" if on_gpu else ""
+        print(f"| {r['config']} | {r['rollout_s']:.3f} ({r['rollout_limit_s']:.3f}, "
+              f"{r['rollout_s'] / r['rollout_limit_s']:.2f}) "
               f"| {r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_s'] / r['update_limit_s']:.2f}) "
               f"| {r['iteration_s']:.3f} ({r['iteration_s'] / r['iteration_limit_s']:.2f}) | {r['episodes_per_s']:.1f} "
-              f"| {r['generated_tokens_per_s']:.0f} | {r['generation_share']:.0%} | {r['peak_rss_gb']:.2f} |")
+              f"| {r['generated_tokens_per_s']:.0f} | {r['generation_share']:.0%} | {r['peak_rss_gb']:.2f} |" + gpu)
     print("\n| model (one rank, ZeRO-0, fp32) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
     for m in memory:
         print(f"| {m['model']} | {m['parameters_mb']:.2f} | {m['gradients_mb']:.2f} | {m['optimizer_state_mb']:.2f} |")

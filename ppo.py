@@ -764,6 +764,10 @@ if __name__ == "__main__":
         metrics["time/rollout"] = rollout_time
         metrics["time/generation"] = generation_time
         metrics["time/update"] = update_time
+        # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, DeepSpeed
+        # reports the process's peak resident memory for both).
+        metrics["memory/max_allocated_gb"] = get_accelerator().max_memory_allocated() / 2**30
+        metrics["memory/max_reserved_gb"] = get_accelerator().max_memory_reserved() / 2**30
         if args.target_kl is not None:
             # Ziegler et al.'s adaptive controller: beta grows when the KL overshoots the target, shrinks below it.
             kl_coef = rlhf_math.adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, args.kl_horizon,

@@ -60,7 +60,7 @@ def check_metrics(metrics, iterations):
         for name in ["eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                      "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
                      "loss/value_avg", "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var",
-                     "val/num_eos_tokens", "lr", "episode", "time/rollout", "time/update"]:
+                     "val/num_eos_tokens", "lr", "episode", "time/rollout", "time/update", "memory/max_allocated_gb"]:
             assert math.isfinite(m[name]), f"{name} = {m[name]}"
 
 
