@@ -150,9 +150,11 @@ def time_limit(args: Args, folder: str, ranks: int) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // ranks))
-    load = {"policy": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification}
-    actor, reference = (load["policy"].from_pretrained(os.path.join(folder, "policy"), dtype=dtype).to(device) for _ in "ab")
-    critic, reward = (load["reward"].from_pretrained(os.path.join(folder, "reward"), dtype=dtype).to(device) for _ in "ab")
+    policy_path, reward_path = os.path.join(folder, "policy"), os.path.join(folder, "reward")
+    actor = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device)
+    reference = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device)
+    critic = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device)
+    reward = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device)
     reference.requires_grad_(False)
     reward.requires_grad_(False)
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)

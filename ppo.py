@@ -360,7 +360,7 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
             exp_avg = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg")
             exp_avg_sq = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg_sq")
         if is_main:
-            weights[name] = master.float().cpu().contiguous()
+            weights[name] = master.cpu().contiguous()
             moments[f"{name}.exp_avg"] = exp_avg.cpu().contiguous()
             moments[f"{name}.exp_avg_sq"] = exp_avg_sq.cpu().contiguous()
     if is_main:
@@ -384,8 +384,9 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
     moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
     base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    plain = engine.optimizer is base_optimizer  # ZeRO-0 in fp32, as in save_training_state
     for name, param in engine.module.named_parameters():
-        if engine.optimizer is base_optimizer:  # ZeRO-0 in fp32, as in save_training_state
+        if plain:
             state = engine.optimizer.state[param]
             state["exp_avg"].copy_(moments[f"{name}.exp_avg"])
             state["exp_avg_sq"].copy_(moments[f"{name}.exp_avg_sq"])
@@ -427,6 +428,9 @@ if __name__ == "__main__":
     for flag, value in [("--gamma", args.gamma), ("--lam", args.lam)]:
         if not 0 <= value <= 1:
             fail(f"{flag} must be between 0 and 1, not {value}")
+    if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
+        fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score {args.clip_score}]: "
+             "the score it replaces is clipped to [-clip_score, clip_score]")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
     if os.path.isfile(args.output_dir):
@@ -458,9 +462,6 @@ if __name__ == "__main__":
     args.gradient_accumulation_steps = exact_div(
         args.per_device_mini_batch_size, args.per_device_train_batch_size,
         "rollout batch per mini-batch / --per-device-train-batch-size")
-    if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
-        fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score {args.clip_score}]: "
-             "the score it replaces is clipped to [-clip_score, clip_score]")
 
     # Tokenizer: the SFT model's, left padding for the prompts. Its pad token must not be EOS (stage 1 makes sure).
     critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path

@@ -219,6 +219,7 @@ def test_ppo_bad_input(stages, bad, tmp_path):
         (["--target-kl", "0"], "--target-kl must be positive, not 0.0"),
         (["--kl-coef", "-0.1"], "--kl-coef must not be negative, not -0.1"),
         (["--gamma", "2"], "--gamma must be between 0 and 1, not 2.0"),
+        (["--missing-eos-penalty", "10"], "--missing-eos-penalty 10.0 must be in (0, --clip-score 5.0]"),
         (["--max-new-tokens", "200"], "--max-new-tokens 200 is longer than the model's 128 positions"),
         (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
