@@ -27,6 +27,7 @@ from typing import Literal
 import datasets
 import deepspeed
 import numpy as np
+import peft
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
-    get_linear_schedule_with_warmup,
+    get_scheduler,
 )
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -139,6 +140,38 @@ class Args:
     """whiten the advantages over the rollout batch (--no-whiten-advantages for DeepSpeed-Chat's behaviour)"""
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the rollout batch, keeping their mean"""
+    lr_scheduler_type: Literal["linear", "constant"] = "linear"
+    """the learning rates of actor and critic: decayed linearly to 0 over the run, or constant"""
+
+    # DeepSpeed-Chat's extras: an EMA of the actor, LoRA, the pretraining mix (each off by default)
+    enable_ema: bool = False
+    """keep an exponential moving average of the actor's weights, saved as OUTPUT_DIR/actor_ema"""
+    ema_decay: float = 0.992
+    """the EMA's decay per actor optimizer step: ema = decay * ema + (1 - decay) * actor"""
+    actor_lora_dim: int = 0
+    """rank r of the LoRA adapters added to the actor's linear layers (0: no LoRA)"""
+    critic_lora_dim: int = 0
+    """rank r of the LoRA adapters added to the critic's linear layers (0: no LoRA)"""
+    lora_alpha: float = 16.0
+    """LoRA's alpha: an adapter adds (alpha / r) B A to its layer's weight"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get adapters: peft's "all-linear" (every linear layer but the output head), or a regular
+    expression that matches the full module names"""
+    actor_lora_learning_rate: float = 5e-4
+    """learning rate of the actor's adapters (the rest of the actor keeps --actor-learning-rate)"""
+    critic_lora_learning_rate: float = 5e-4
+    """learning rate of the critic's adapters"""
+    only_optimize_lora: bool = False
+    """train only the adapters; the reference model is then the actor with its adapters off, one model less"""
+    unsup_dataset: str | None = None
+    """plain text for InstructGPT's pretraining mix (PPO-ptx): a hub data set name, or a local .txt/.json/.jsonl/
+    .parquet file (the toy task's: toy_task/pretrain.txt)"""
+    unsup_dataset_config: str | None = None
+    """the hub data set's configuration name, if it has several (e.g. wikitext-2-raw-v1)"""
+    unsup_text_column: str = "text"
+    """the column that holds the text"""
+    unsup_coef: float = 27.8
+    """gamma, the weight of the language-modelling loss on the plain text (InstructGPT's 27.8)"""
 
     # DeepSpeed
     actor_zero_stage: Literal[0, 1, 2, 3] = 0
@@ -153,6 +186,18 @@ class Args:
     """keep the reward model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the critic's stage)"""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """precision of all four models; fp16 needs a GPU"""
+    align_overflow: bool = False
+    """fp16 only: when the actor's or the critic's loss scaler finds an overflow, both skip that optimizer step"""
+    enable_hybrid_engine: bool = False
+    """generate with DeepSpeed's hybrid engine (GPU only): inference kernels and tensor parallelism for the rollout"""
+    inference_tp_size: int = 1
+    """hybrid engine: tensor-parallel size of generation"""
+    tp_gather_partition_size: int = 8
+    """hybrid engine: how many layers to gather at a time under ZeRO-3"""
+    release_inference_cache: bool = False
+    """hybrid engine: free the inference key-value cache after each generation (less memory, slower)"""
+    unpin_actor_parameters: bool = False
+    """hybrid engine: do not pin the gathered actor parameters in memory during generation (ZeRO-3)"""
     actor_gradient_checkpointing: bool = False
     """recompute the actor's activations in the backward pass: less memory, about a third more compute"""
     critic_gradient_checkpointing: bool = False
@@ -222,6 +267,31 @@ def load_tokenizer(path: str, flag: str, **kwargs):
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); check {flag}")
 
 
+def load_split(dataset: str, split: str, column: str, flag: str, split_flag: str, config: str | None = None,
+               file_kinds: dict = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}) -> datasets.Dataset:
+    """One split of a hub data set or of a local file or folder, checked for the column we need; a one-line error
+    that names the flag to fix otherwise."""
+    if not os.path.exists(dataset) and not is_hub_name(dataset):
+        fail(f"no data set at {dataset!r}; check {flag}")
+    if os.path.isfile(dataset) and not dataset.endswith(tuple(file_kinds)):
+        kinds = list(file_kinds)
+        fail(f"{flag} {dataset!r} is not a {', '.join(kinds[:-1])} or {kinds[-1]} file")
+    if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
+        fail(f"{flag} {dataset!r} is an empty file")
+    try:
+        if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
+            kind = file_kinds[os.path.splitext(dataset)[1]]
+            data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
+        else:
+            data = datasets.load_dataset(dataset, config, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        error = error.__cause__ or error  # the generation error's cause says which row is malformed
+        fail(f"cannot load split {split!r} of data set {dataset!r} ({error}); check {flag} and {split_flag}")
+    if column not in data.column_names:
+        fail(f"data set {dataset!r} has no column {column!r}; its columns are {data.column_names}")
+    return data
+
+
 def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
@@ -246,10 +316,27 @@ def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> di
     return config
 
 
+def add_lora(model, lora_dim: int, args: Args):
+    """LoRA (Hu et al. 2021): beside each targeted linear layer W, a trainable low-rank update (alpha / r) B A, with
+    B = 0 at the start so that the model is unchanged; peft builds the layers in place. The value head `score` stays
+    plain (the critic's values come from it), and the adapters have no dropout (PPO's first ratio must be 1)."""
+    lora_config = peft.LoraConfig(r=lora_dim, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                  target_modules=args.lora_target_modules,
+                                  exclude_modules=["score"] if hasattr(model, "score") else None)
+    try:
+        model = peft.inject_adapter_in_model(lora_config, model)  # freezes all but the adapters
+    except ValueError as error:  # no module matches
+        fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}")
+    if not args.only_optimize_lora:
+        model.requires_grad_(True)  # DeepSpeed-Chat's default: the adapters train alongside the whole model
+    return model
+
+
 def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_rate: float | None = None,
-                gradient_checkpointing: bool = False):
-    """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a linear learning-rate decay when a
-    learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward)."""
+                gradient_checkpointing: bool = False, lora_dim: int = 0, lora_learning_rate: float = 0.0):
+    """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a learning-rate schedule when a
+    learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward, EMA). With
+    lora_dim > 0 it gets LoRA adapters first."""
     # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -259,6 +346,8 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
                 setattr(config, key, 0.0)
     model = model_class.from_pretrained(path, config=config, use_safetensors=True,
                                         trust_remote_code=args.trust_remote_code)
+    if lora_dim:
+        model = add_lora(model, lora_dim, args)
     if learning_rate is None:
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
@@ -268,9 +357,14 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # With --offload the optimizer step runs on the CPU, and DeepSpeed wants its own vectorised CPU Adam there.
     adam = deepspeed.ops.adam.DeepSpeedCPUAdam if args.offload else torch.optim.AdamW
-    optimizer = adam(model.parameters(), lr=learning_rate, weight_decay=args.weight_decay)
+    # Two parameter groups: the model's own weights and, with LoRA, its adapters with their own learning rate.
+    groups = [{"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n],
+               "lr": learning_rate},
+              {"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
+               "lr": lora_learning_rate}]
+    optimizer = adam([group for group in groups if group["params"]], lr=learning_rate, weight_decay=args.weight_decay)
     num_steps = args.num_iterations * args.num_ppo_epochs * args.num_mini_batches
-    scheduler = get_linear_schedule_with_warmup(optimizer, 0, num_steps)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     engine.train()  # dropout is off, so train and eval mode compute the same; train mode enables checkpointing
     return engine
@@ -328,14 +422,90 @@ def gathered(engine, enabled: bool):
             offload._register_deepspeed_module(offload.module)
 
 
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Switch a model's LoRA adapters off for a while (a model without adapters is unchanged): with
+    --only-optimize-lora the actor with its adapters off is the SFT model, so it serves as the reference."""
+    lora_layers = [m for m in model.modules() if isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer)]
+    for layer in lora_layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in lora_layers:
+            layer.enable_adapters(True)
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights as a plain model's state dict, each LoRA adapter folded into the layer it adapts:
+    W + (alpha / r) B A under W's own name (a model without adapters: its state dict as it is)."""
+    state = {name.replace(".base_layer.", "."): value for name, value in model.state_dict().items()
+             if "lora_" not in name}
+    for name, module in model.named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight("default")
+    return state
+
+
+def update_ema(ema, actor, decay: float, zero_stage: int) -> None:
+    """ema = decay * ema + (1 - decay) * actor for every parameter (rlhf_math.ema_update). Under ZeRO-3 each pair is
+    gathered in turn and the EMA's new value written back to the ranks' partitions (modifier_rank)."""
+    with torch.no_grad():
+        for ema_param, param in zip(ema.module.parameters(), actor.module.parameters()):
+            with deepspeed.zero.GatheredParameters(param, enabled=zero_stage == 3), \
+                    deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0, enabled=zero_stage == 3):
+                ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, param.data.to(ema_param.dtype), decay))
+
+
+def found_overflow(engine) -> bool:
+    """Whether this accumulation's fp16 gradients hold inf or NaN, the way the engine's optimizer will see it in
+    step() (a collective call: every rank takes part)."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "overflow_checker"):  # ZeRO-0: FP16_Optimizer, FP16_UnfusedOptimizer
+        return optimizer.overflow_checker.check()
+    return optimizer.has_overflow(partition_gradients=getattr(optimizer, "partition_gradients", True))  # ZeRO 1-3
+
+
+@contextlib.contextmanager
+def aligned_overflow(actor, critic, enabled: bool):
+    """--align-overflow (DeepSpeed-Chat's align_overflow), around the two engines' step() calls. In fp16 an optimizer
+    whose gradients overflow skips its step (and lowers its loss scale), so actor and critic could drift apart by a
+    step. At the end of an accumulation both are checked, and the one that did not overflow is made to see an
+    overflow for this one step: it takes DeepSpeed's own skip path (no update, no scheduler step, gradients
+    cleared), keeping its loss scale. (DeepSpeed-Chat sets optimizer.skip_step and calls
+    check_overflow(external=True); DeepSpeed 0.19 has neither.)"""
+    if not enabled or not actor.is_gradient_accumulation_boundary():
+        yield
+        return
+    actor_overflow, critic_overflow = found_overflow(actor), found_overflow(critic)
+    patched = []  # (object, method name): instance attributes that shadow the class's methods for this one step
+    for engine, skip in [(actor, critic_overflow and not actor_overflow), (critic, actor_overflow and not critic_overflow)]:
+        if skip:
+            optimizer = engine.optimizer
+            checker = getattr(optimizer, "overflow_checker", optimizer)  # ZeRO-0 asks its checker, ZeRO 1-3 themselves
+            for name in ("has_overflow", "check", "check_using_norm"):
+                if hasattr(checker, name):
+                    setattr(checker, name, lambda *args, **kwargs: True)
+                    patched.append((checker, name))
+            optimizer._update_scale = lambda *args, **kwargs: None
+            patched.append((optimizer, "_update_scale"))
+    try:
+        yield
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)
+
+
 def save_hf_folder(engine, tokenizer, path: str, zero_stage: int, is_main: bool) -> None:
-    """An ordinary Hugging Face folder (safetensors + tokenizer). Under ZeRO-3 the full weights are gathered first
-    (every rank takes part); written to a temporary folder and renamed, so a checkpoint is never half-written."""
+    """An ordinary Hugging Face folder (safetensors + tokenizer), with any LoRA adapters merged into the weights.
+    Under ZeRO-3 the full weights are gathered first (every rank takes part); written to a temporary folder and
+    renamed, so a checkpoint is never half-written."""
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero_stage == 3):
         if is_main:
             tmp_dir = path.rstrip("/") + ".tmp"
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            engine.module.save_pretrained(tmp_dir, safe_serialization=True)
+            engine.module.save_pretrained(tmp_dir, state_dict=merged_state_dict(engine.module),
+                                          safe_serialization=True)
             tokenizer.save_pretrained(tmp_dir)
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp_dir, path)
@@ -416,16 +586,21 @@ if __name__ == "__main__":
     for flag, value in [("--actor-learning-rate", args.actor_learning_rate),
                         ("--critic-learning-rate", args.critic_learning_rate), ("--temperature", args.temperature),
                         ("--cliprange", args.cliprange), ("--cliprange-value", args.cliprange_value),
-                        ("--clip-score", args.clip_score), ("--kl-horizon", args.kl_horizon)]:
+                        ("--clip-score", args.clip_score), ("--kl-horizon", args.kl_horizon),
+                        ("--lora-alpha", args.lora_alpha), ("--actor-lora-learning-rate", args.actor_lora_learning_rate),
+                        ("--critic-lora-learning-rate", args.critic_lora_learning_rate),
+                        ("--inference-tp-size", args.inference_tp_size),
+                        ("--tp-gather-partition-size", args.tp_gather_partition_size)]:
         if not value > 0:
             fail(f"{flag} must be positive, not {value}")
     if args.target_kl is not None and not args.target_kl > 0:
         fail(f"--target-kl must be positive, not {args.target_kl}")
     for flag, value in [("--kl-coef", args.kl_coef), ("--sample-every", args.sample_every),
-                        ("--save-every", args.save_every)]:
+                        ("--save-every", args.save_every), ("--actor-lora-dim", args.actor_lora_dim),
+                        ("--critic-lora-dim", args.critic_lora_dim), ("--unsup-coef", args.unsup_coef)]:
         if not value >= 0:
             fail(f"{flag} must not be negative, not {value}")
-    for flag, value in [("--gamma", args.gamma), ("--lam", args.lam)]:
+    for flag, value in [("--gamma", args.gamma), ("--lam", args.lam), ("--ema-decay", args.ema_decay)]:
         if not 0 <= value <= 1:
             fail(f"{flag} must be between 0 and 1, not {value}")
     if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
@@ -435,6 +610,19 @@ if __name__ == "__main__":
         fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
     if os.path.isfile(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
+    lora = args.actor_lora_dim > 0 or args.critic_lora_dim > 0
+    if args.only_optimize_lora and not args.actor_lora_dim:
+        fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim for the "
+             "critic's)")
+    if lora and (args.save_every or args.resume):
+        fail("--save-every and --resume do not support LoRA yet: their checkpoints hold plain models")
+    if args.align_overflow and args.dtype != "fp16":
+        fail("--align-overflow is for --dtype fp16 (a GPU's loss-scaled training); bf16 and fp32 do not overflow")
+    if args.enable_hybrid_engine and lora:
+        fail("--enable-hybrid-engine does not support LoRA: DeepSpeed's hybrid engine knows only DeepSpeed-Chat's "
+             "own LoRA layers, not peft's")
+    if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
+        fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
 
     # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
     if "RANK" not in os.environ:
@@ -445,6 +633,8 @@ if __name__ == "__main__":
     args.local_rank = int(os.environ["LOCAL_RANK"])
     if args.dtype == "fp16" and get_accelerator().device_name() == "cpu":
         fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
+    if args.enable_hybrid_engine and get_accelerator().device_name() == "cpu":
+        fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     get_accelerator().set_device(args.local_rank)
     device = torch.device(get_accelerator().device_name(args.local_rank))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
@@ -484,25 +674,7 @@ if __name__ == "__main__":
              f"model's {actor_config.max_position_embeddings} positions; lower them")
 
     # Prompts
-    if not os.path.exists(args.dataset) and not is_hub_name(args.dataset):
-        fail(f"no data set at {args.dataset!r}; check --dataset")
-    if os.path.isfile(args.dataset) and not args.dataset.endswith((".json", ".jsonl", ".parquet")):
-        fail(f"--dataset {args.dataset!r} is not a .json, .jsonl or .parquet file")
-    if os.path.isfile(args.dataset) and os.path.getsize(args.dataset) == 0:
-        fail(f"--dataset {args.dataset!r} is an empty file")
-    try:
-        if os.path.isfile(args.dataset):  # one file is every split; a slice such as train[:64] still applies
-            kind = "parquet" if args.dataset.endswith(".parquet") else "json"
-            data = datasets.load_dataset(kind, data_files={args.train_split.split("[")[0]: args.dataset},
-                                         split=args.train_split)
-        else:
-            data = datasets.load_dataset(args.dataset, split=args.train_split)
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
-        error = error.__cause__ or error  # the generation error's cause says which row is malformed
-        fail(f"cannot load split {args.train_split!r} of data set {args.dataset!r} ({error}); check --dataset "
-             "and --train-split")
-    if args.prompt_column not in data.column_names:
-        fail(f"data set {args.dataset!r} has no column {args.prompt_column!r}; its columns are {data.column_names}")
+    data = load_split(args.dataset, args.train_split, args.prompt_column, "--dataset", "--train-split")
     prompts, too_long = [], 0
     for i, prompt in enumerate(data[args.prompt_column]):
         if not isinstance(prompt, str) or not prompt.strip():
@@ -520,12 +692,32 @@ if __name__ == "__main__":
         fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
              "raise --max-prompt-len or lower --per-device-rollout-batch-size")
 
+    # The pretraining mix (InstructGPT's PPO-ptx): plain text, tokenized, joined with EOS between documents and cut
+    # into blocks as long as a rollout's sequences (DeepSpeed-Chat's unsupervised data set does the same).
+    if args.unsup_dataset is not None:
+        text_data = load_split(args.unsup_dataset, "train", args.unsup_text_column, "--unsup-dataset",
+                               "--unsup-dataset-config", args.unsup_dataset_config,
+                               {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"})
+        texts = [text for text in text_data[args.unsup_text_column] if isinstance(text, str) and text.strip()]
+        token_stream = [t for ids in tokenizer(texts)["input_ids"] for t in ids + [tokenizer.eos_token_id]]
+        block_len = args.max_prompt_len + args.max_new_tokens
+        num_blocks = len(token_stream) // block_len
+        if num_blocks < args.per_device_train_batch_size:
+            fail(f"--unsup-dataset {args.unsup_dataset!r} holds {len(token_stream)} tokens, fewer than one "
+                 f"micro-batch of {args.per_device_train_batch_size} blocks of {block_len}; give it more text")
+        unsup_blocks = torch.tensor(token_stream[: num_blocks * block_len]).view(num_blocks, block_len)
+
     # The four models. The reference follows the actor's ZeRO stage and the reward model the critic's, but only
     # ZeRO-3 is worth anything to a model without gradients or optimizer (it shards the parameters), so both are
     # ZeRO-3 or plain (DeepSpeed-Chat's rule). Their own offload puts their parameters in CPU memory, which needs
     # ZeRO-3's parameter partitioning, so it implies ZeRO-3.
     reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
     reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
+    # With only the actor's adapters trained, the actor with its adapters off is the SFT model: it is the reference
+    # (adapters_disabled), and a whole model copy is never loaded.
+    share_reference = args.only_optimize_lora
+    if share_reference:
+        reference_stage = args.actor_zero_stage
     # --resume: actor and critic start from the latest complete checkpoint, which save_training_state wrote.
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     actor_start, critic_start = args.actor_model_name_or_path, critic_path
@@ -537,18 +729,42 @@ if __name__ == "__main__":
         with open(os.path.join(resume_dir, "state.json")) as f:
             resume_state = json.load(f)
         actor_start, critic_start = os.path.join(resume_dir, "actor"), os.path.join(resume_dir, "critic")
-    actor = init_engine(AutoModelForCausalLM, actor_start,
-                        deepspeed_config(args.actor_zero_stage, True, args.offload, args), args,
-                        args.actor_learning_rate, args.actor_gradient_checkpointing)
-    reference = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path,
-                            deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
+        if args.enable_ema and not os.path.isdir(os.path.join(resume_dir, "actor_ema")):
+            fail(f"--resume --enable-ema: the checkpoint {resume_dir} has no actor_ema; it was written without EMA")
+    actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
+    if args.enable_hybrid_engine:
+        # DeepSpeed's hybrid engine (DeepSpeed-Chat): during generation the actor runs on inference kernels, with
+        # its own tensor parallelism and key-value cache; between eval() and train() DeepSpeed swaps them in and out.
+        actor_ds_config["hybrid_engine"] = {
+            "enabled": True, "max_out_tokens": args.max_prompt_len + args.max_new_tokens,
+            "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
+            "pin_parameters": not args.unpin_actor_parameters,
+            "tp_gather_partition_size": args.tp_gather_partition_size}
+    actor = init_engine(AutoModelForCausalLM, actor_start, actor_ds_config, args, args.actor_learning_rate,
+                        args.actor_gradient_checkpointing, args.actor_lora_dim, args.actor_lora_learning_rate)
+    reference = actor if share_reference else init_engine(
+        AutoModelForCausalLM, args.actor_model_name_or_path,
+        deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
     critic = init_engine(AutoModelForSequenceClassification, critic_start,
                          deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
-                         args.critic_learning_rate, args.critic_gradient_checkpointing)
+                         args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
+                         args.critic_lora_learning_rate)
     reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
                          deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
     check_score_head(critic, "critic")
     check_score_head(reward, "reward model")
+    if args.enable_ema:
+        # An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation
+        # only: frozen, ZeRO-3 when the actor is. It stays in fp32 whatever --dtype: in bf16, the (1 - decay) = 0.8%
+        # step toward the actor is below bf16's resolution (0.4% of a weight) for most weights, and the average
+        # would hardly move. It starts as the actor (decay 0), the same adapters included.
+        ema_stage = 3 if args.actor_zero_stage == 3 else 0
+        ema_ds_config = deepspeed_config(ema_stage, False, False, args)
+        ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
+        ema = init_engine(AutoModelForCausalLM, os.path.join(resume_dir, "actor_ema") if args.resume else actor_start,
+                          ema_ds_config, args, lora_dim=args.actor_lora_dim)
+        if not args.resume:
+            update_ema(ema, actor, 0.0, args.actor_zero_stage)
     # Reward normalization (N+ detail 15): reward_model.py stored the mean score of the SFT data; subtracting it
     # centres the scores at 0. The critic starts as a copy of the reward model, so its outputs get the same offset.
     reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
@@ -610,7 +826,7 @@ if __name__ == "__main__":
             # 1. Generate: sample a response to every prompt from the current policy pi_theta. With the weights
             # gathered, generation makes no collective call; without, every token all-gathers each layer, and
             # synced_gpus keeps the ranks stepping together until all are done, so that none waits forever.
-            gather_actor = args.actor_zero_stage == 3 and args.gather_weights_for_rollout
+            gather_actor = args.actor_zero_stage == 3 and args.gather_weights_for_rollout and not args.enable_hybrid_engine
             with gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
                 actor.eval()  # in train mode, gradient checkpointing would switch generate's key-value cache off
                 sequences = actor.module.generate(
@@ -637,8 +853,9 @@ if __name__ == "__main__":
                 logprobs = torch.cat([rlhf_math.logprobs_from_logits(
                     response_logits(actor.module, sequences[c], attention_mask[c], P), responses[c], args.temperature)
                     for c in chunks])
-            # log pi_ref(a_t|s_t), the same way.
-            with gathered(reference, reference_stage == 3 and args.gather_weights_for_rollout):
+            # log pi_ref(a_t|s_t), the same way (with --only-optimize-lora: the actor with its adapters off).
+            with gathered(reference, reference_stage == 3 and args.gather_weights_for_rollout), \
+                    adapters_disabled(reference.module):
                 ref_logprobs = torch.cat([rlhf_math.logprobs_from_logits(
                     response_logits(reference.module, sequences[c], attention_mask[c], P), responses[c],
                     args.temperature) for c in chunks])
@@ -689,7 +906,8 @@ if __name__ == "__main__":
 
         # UPDATE: num_ppo_epochs passes over the batch, each split into num_mini_batches optimizer steps.
         update_start = time.time()
-        stats = {k: [] for k in ["approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio"]}
+        stats = {k: [] for k in ["approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
+                                 "unsup_loss"]}
         for epoch in range(args.num_ppo_epochs):
             for micro_step, index in enumerate(
                 torch.randperm(args.per_device_rollout_batch_size, device=device).split(args.per_device_train_batch_size)
@@ -714,10 +932,24 @@ if __name__ == "__main__":
                     if not torch.isfinite(loss):
                         fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise "
                              "--kl-coef or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
-                actor.backward(pg_loss)
-                actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
+                actor_loss = pg_loss
+                if args.unsup_dataset is not None:
+                    # The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain
+                    # [log pi(x)], so the actor's loss adds gamma times the language-modelling loss of a micro-batch of
+                    # plain-text blocks, in the same backward pass and optimizer step as the policy loss.
+                    blocks = unsup_blocks[torch.randint(len(unsup_blocks), (args.per_device_train_batch_size,))]
+                    unsup_loss = actor.module(input_ids=blocks.to(device), labels=blocks.to(device), use_cache=False).loss
+                    if not torch.isfinite(unsup_loss):
+                        fail(f"iteration {iteration}: loss/unsup_avg is {unsup_loss.item()}; lower the learning rates")
+                    actor_loss = pg_loss + args.unsup_coef * unsup_loss
+                    stats["unsup_loss"].append(unsup_loss.detach())
+                actor.backward(actor_loss)
                 critic.backward(vf_loss)
-                critic.step()
+                with aligned_overflow(actor, critic, args.align_overflow):
+                    actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
+                    critic.step()
+                if args.enable_ema and (micro_step + 1) % args.gradient_accumulation_steps == 0:
+                    update_ema(ema, actor, args.ema_decay, args.actor_zero_stage)  # after every actor optimizer step
                 with torch.no_grad():
                     entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(new_logits, args.temperature), mb["mask"])
                 for name, value in [("approxkl", pg_stats["approxkl"]), ("clipfrac", pg_stats["clipfrac"]),
@@ -751,6 +983,8 @@ if __name__ == "__main__":
                 "val/response_length": response_mask.sum(dim=1).float().mean(),
                 "val/num_invalid": torch.tensor(float(num_invalid), device=device),
             }
+            if args.unsup_dataset is not None:
+                local["loss/unsup_avg"] = torch.stack(stats["unsup_loss"]).mean()
             summed = torch.stack([v.float() for v in local.values()])
             dist.all_reduce(summed)
             metrics = dict(zip(local, (summed / args.world_size).tolist()))
@@ -796,6 +1030,8 @@ if __name__ == "__main__":
             state = {"iteration": iteration + 1, "kl_coef": kl_coef,
                      "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
                      "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
+            if args.enable_ema:
+                save_hf_folder(ema, tokenizer, os.path.join(path + ".tmp", "actor_ema"), ema_stage, is_main)
             if is_main:
                 with open(os.path.join(path + ".tmp", "state.json"), "w") as f:
                     json.dump(state, f)
@@ -811,6 +1047,8 @@ if __name__ == "__main__":
     # Save the trained actor and critic as ordinary Hugging Face folders.
     save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, is_main)
     save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage, is_main)
+    if args.enable_ema:
+        save_hf_folder(ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), ema_stage, is_main)
     if is_main:
         print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
               f"in {time.time() - start_time:.0f}s")

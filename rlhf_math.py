@@ -280,6 +280,20 @@ def value_loss(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema)
+# ---------------------------------------------------------------------------------------------------------------
+def ema_update(ema: torch.Tensor, new: torch.Tensor, decay: float) -> torch.Tensor:
+    """One step of an exponential moving average: ema' = decay * ema + (1 - decay) * new.
+
+    Any shape, ema and new alike. After k steps from ema_0 = w_0 over weights w_1..w_k,
+    ema_k = decay^k w_0 + (1 - decay) sum_j decay^(k - j) w_j: the recent weights count most.
+    Computed as torch.lerp(ema, new, 1 - decay), the same formula rounded so that a weight that does not change
+    stays exactly as it is (decay ema + (1 - decay) ema can be off by a last bit) and decay 0 copies new exactly.
+    """
+    return torch.lerp(ema, new, 1.0 - decay)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The reward model's loss (InstructGPT eq. 1; the Bradley-Terry model of pairwise preferences)
 # ---------------------------------------------------------------------------------------------------------------
 def pairwise_reward_loss(

@@ -12,11 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import ppo
 import rlhf_math
 from ppo import response_logits
 from test_sft_and_reward_model import ENV, FEW_STEPS, bad, check_errors, error_of, run  # noqa: F401 (bad is a fixture)
@@ -237,6 +240,17 @@ def test_ppo_bad_input(stages, bad, tmp_path):
         (["--critic-model-name-or-path", str(bad / "no_weights")],
          "has no model weights (model.safetensors); run reward_model.py first or check --critic-model-name-or-path"),
         (["--resume"], "--resume: no complete checkpoint"),
+        (["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, not 1.5"),
+        (["--only-optimize-lora"], "--only-optimize-lora needs the actor's adapters"),
+        (["--actor-lora-dim", "4", "--save-every", "1"], "--save-every and --resume do not support LoRA yet"),
+        (["--actor-lora-dim", "4", "--lora-target-modules", "nothing_matches"],
+         "--lora-target-modules 'nothing_matches'"),
+        (["--unsup-dataset", str(tmp_path / "missing.txt")], "no data set at"),
+        (["--unsup-dataset", "toy_task/data/test.jsonl"], "has no column 'text'; its columns are"),
+        (["--unsup-dataset", str(bad / "data.csv")], "is not a .txt, .json, .jsonl or .parquet file"),
+        (["--align-overflow"], "--align-overflow is for --dtype fp16"),
+        (["--enable-hybrid-engine"], "--enable-hybrid-engine needs a GPU"),
+        (["--inference-tp-size", "2"], "--inference-tp-size above 1 needs --enable-hybrid-engine"),
     ])
     result = run("ppo.py", "--actor-zero-stage", "4", check=False)
     assert "invalid choice '4' for argument '--actor-zero-stage'" in result.stderr
@@ -299,3 +313,159 @@ def test_benchmark(tmp_path):
     result = json.loads(output.read_text())
     assert result["args"]["dtype"] == "bf16" and result["args"]["num_heads"] == 8 and result["args"]["hidden_size"] == 64
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DeepSpeed-Chat's extras: EMA, LoRA, the pretraining mix, fp16 overflow alignment
+# ---------------------------------------------------------------------------------------------------------------------
+# One actor optimizer step per iteration and a constant learning rate, so that the first iterations of a longer run
+# are exactly a shorter run: the saved actors of runs of 1, 2, ... iterations are the actor's weight history.
+ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "--lr-scheduler-type", "constant"]
+
+
+def saved_weights(folder):
+    return safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_ema_is_the_decayed_average_of_the_actor_weights(stages, tmp_path):
+    """On 2 ranks, actor and critic under ZeRO-3 (with the pretraining mix and the critic's LoRA on too): after two
+    actor steps, the saved EMA is d^2 w0 + (1 - d)(d w1 + w2) of the actor's weights w0 (SFT), w1, w2."""
+    decay = 0.5
+    history = [saved_weights(stages[1])]
+    for iterations in (1, 2):
+        out = tmp_path / f"iterations_{iterations}"
+        _, exp_name = run_ppo(stages, out, "--total-episodes", str(16 * iterations), *ONE_STEP_PER_ITERATION,
+                              "--enable-ema", "--ema-decay", str(decay), "--actor-zero-stage", "3",
+                              "--critic-zero-stage", "3", "--unsup-dataset", "toy_task/pretrain.txt",
+                              "--critic-lora-dim", "4", ranks=2)
+        history.append(saved_weights(out / "actor"))
+        metrics = read_metrics(exp_name)
+        check_metrics(metrics, iterations)
+        assert all(math.isfinite(m["loss/unsup_avg"]) and m["loss/unsup_avg"] > 0 for m in metrics)
+    w0, w1, w2 = history
+    ema = saved_weights(out / "actor_ema")
+    assert ema.keys() == w2.keys()
+    for name in ema:
+        expected = decay**2 * w0[name] + (1 - decay) * (decay * w1[name] + w2[name])
+        torch.testing.assert_close(ema[name], expected, rtol=0, atol=1e-6)
+    # Not trivially true: the actor moved at each step, so the average differs from each of the weights it averages.
+    for w in history:
+        assert max((ema[name] - w[name]).abs().max().item() for name in ema) > 1e-5
+
+
+def test_lora_trains_only_the_adapters(stages, tmp_path):
+    """On 2 ranks, the actor under ZeRO-3 and the critic under ZeRO-0, with --only-optimize-lora: the saved (merged)
+    models differ from where they started only by a rank-r update of the adapted layers, and the reference is the
+    actor with its adapters off (the KL is exactly 0 before the first update, not after)."""
+    out = tmp_path / "lora"
+    _, exp_name = run_ppo(stages, out, "--total-episodes", "32", "--actor-lora-dim", "4", "--critic-lora-dim", "4",
+                          "--only-optimize-lora", "--actor-zero-stage", "3", ranks=2)
+    metrics = read_metrics(exp_name)
+    check_metrics(metrics, 2)
+    assert metrics[0]["objective/kl"] == 0.0 and metrics[1]["objective/kl"] != 0.0
+    for saved, start in [(out / "actor", stages[1]), (out / "critic", stages[3])]:
+        trained, original = saved_weights(saved), saved_weights(start)
+        assert trained.keys() == original.keys()  # a plain model: adapters merged, no lora_ names
+        adapted = [name for name in trained if name.endswith("proj.weight")]
+        assert len(adapted) == 7 * 4  # all-linear: q, k, v, o, gate, up, down in each of 4 layers
+        for name in trained:
+            delta = trained[name] - original[name]
+            if name in adapted:
+                assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta) <= 4, name
+            else:  # embeddings, norms, the value head: untouched
+                assert torch.equal(trained[name], original[name]), name
+
+
+def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
+    """ppo.save_hf_folder folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
+    the log-probs of the model with adapters."""
+    tokenizer = AutoTokenizer.from_pretrained(stages[1])
+    model = ppo.add_lora(AutoModelForCausalLM.from_pretrained(stages[1]), 4, ppo.Args())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # B starts at 0; training makes it non-zero
+                param.normal_(std=0.05)
+    batch = tokenizer(["I watched this film last night and the story was", "We saw this"], return_tensors="pt",
+                      padding=True)
+    tokens = batch["input_ids"][:, 1:]
+
+    def logprobs(m):
+        with torch.no_grad():
+            return rlhf_math.logprobs_from_logits(m(**batch).logits[:, :-1], tokens)
+
+    adapter_logprobs = logprobs(model)
+    with ppo.adapters_disabled(model):
+        assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
+    ppo.save_hf_folder(types.SimpleNamespace(module=model), tokenizer, str(tmp_path / "merged"), 0, True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in name for name in merged.state_dict())
+    torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
+
+
+def test_pretraining_mix_lowers_the_language_modelling_loss(stages, tmp_path):
+    """The same PPO run with and without --unsup-dataset: the actor trained with the mix has the lower loss on the
+    plain text."""
+    tokenizer = AutoTokenizer.from_pretrained(stages[1])
+    lines = open("toy_task/pretrain.txt").read().splitlines()[:200]
+    losses = {}
+    for mix in (False, True):
+        out = tmp_path / f"mix_{mix}"
+        flags = ["--unsup-dataset", "toy_task/pretrain.txt"] if mix else []
+        _, exp_name = run_ppo(stages, out, "--total-episodes", "16", *flags)
+        read_metrics(exp_name)
+        actor = AutoModelForCausalLM.from_pretrained(out / "actor")
+        with torch.no_grad():
+            losses[mix] = sum(actor(**tokenizer(line, return_tensors="pt"),
+                                    labels=tokenizer(line, return_tensors="pt")["input_ids"]).loss.item()
+                              for line in lines) / len(lines)
+    assert losses[True] < losses[False], losses
+
+
+ALIGN_OVERFLOW_SCRIPT = """
+import os, sys, torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+import ppo
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+# DeepSpeed refuses fp16 on a CPU; its fp16 code paths (loss scaling, overflow checks) run here once told otherwise.
+accelerator = get_accelerator()
+accelerator.is_fp16_supported = lambda: True
+accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+for stage in (0, 1, 2, 3):
+    def engine(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+                  "zero_optimization": {"stage": stage}, "fp16": {"enabled": True, "initial_scale_power": 8},
+                  "zero_allow_untested_optimizer": True}
+        return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+    actor, critic = engine(0), engine(1)
+    for micro_step in range(8):  # 4 optimizer steps; the critic overflows in the 2nd, the actor in the 4th
+        x = torch.randn(2, 8, dtype=torch.half)
+        actor_loss, critic_loss = actor(x).float().mean(), critic(x).float().mean()
+        if micro_step == 3:
+            critic_loss = critic_loss * float("inf")
+        if micro_step == 6:
+            actor_loss = actor_loss * float("inf")
+        actor.backward(actor_loss)
+        critic.backward(critic_loss)
+        with ppo.aligned_overflow(actor, critic, enabled=sys.argv[2] == "on"):
+            actor.step()
+            critic.step()
+    print(f"zero {stage}: actor skipped {actor.skipped_steps}, critic skipped {critic.skipped_steps}")
+"""
+
+
+def test_align_overflow_skips_both_steps(tmp_path):
+    """fp16 (made to run on this CPU): with --align-overflow, when one model's gradients overflow both skip that
+    step, on every ZeRO stage; without it, each skips only its own."""
+    script = tmp_path / "align_overflow.py"
+    script.write_text(ALIGN_OVERFLOW_SCRIPT)
+    for mode, skipped in [("on", "actor skipped 2, critic skipped 2"), ("off", "actor skipped 1, critic skipped 1")]:
+        result = subprocess.run([sys.executable, str(script), str(29600 + len(mode)), mode], capture_output=True,
+                                text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [line for line in result.stdout.splitlines() if line.startswith("zero ")]
+        assert lines == [f"zero {stage}: {skipped}" for stage in range(4)], result.stdout[-2000:]

@@ -219,6 +219,21 @@ def test_adaptive_kl_coef_by_hand():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# ema_update
+# ---------------------------------------------------------------------------------------------------------------
+def test_ema_update_by_hand():
+    # ema' = d ema + (1 - d) new, d = .9:  .9 x 1 + .1 x 3 = 1.2;  .9 x -2 + .1 x 0 = -1.8
+    assert torch.allclose(M.ema_update(t([1.0, -2.0]), t([3.0, 0.0]), 0.9), t([1.2, -1.8]))
+    # Two steps from w0 = 1 over w1 = 3, w2 = 5:  1.2, then .9 x 1.2 + .1 x 5 = 1.58;
+    # closed form d^2 w0 + (1 - d)(d w1 + w2) = .81 + .1 x (2.7 + 5) = .81 + .77 = 1.58
+    ema = M.ema_update(M.ema_update(t([1.0]), t([3.0]), 0.9), t([5.0]), 0.9)
+    assert torch.allclose(ema, t([1.58]))
+    # decay 0: the EMA is the new weights (how ppo.py starts it as a copy of the actor); decay 1: never moves
+    assert torch.equal(M.ema_update(t([1.0]), t([3.0]), 0.0), t([3.0]))
+    assert torch.equal(M.ema_update(t([1.0]), t([3.0]), 1.0), t([1.0]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # gae_advantages_and_returns
 # ---------------------------------------------------------------------------------------------------------------
 REWARDS = t([0.0, 0.0, 1.0], [0.1, 2.0, 9.0])  # row 1: 9.0 is past the mask, garbage

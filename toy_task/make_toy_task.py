@@ -9,6 +9,7 @@ same words, and only their order or the place of a negation decides.
 Run `python toy_task/make_toy_task.py`; it writes
     toy_task/data/{train,test}.jsonl   columns prompt, chosen, rejected, kind (DeepSpeed-Chat "rm-static" shape)
     toy_task/base_model/               LlamaForCausalLM + tokenizer, loadable with from_pretrained like a hub model
+    toy_task/pretrain.txt              2,000 of the pretraining corpus's reviews, one per line (ppo.py --unsup-dataset)
 The same seed gives the same data and tokenizer; the model is also identical when rerun on the same machine.
 """
 
@@ -37,6 +38,8 @@ class Args:
     """preference pairs in the test split"""
     num_extra_reviews: int = 8000
     """unpaired review texts added to the pretraining corpus"""
+    num_pretrain_lines: int = 2000
+    """unpaired reviews also written to pretrain.txt, the plain text of ppo.py's pretraining mix"""
     vocab_size: int = 1500
     """upper bound on the BPE vocabulary (training stops earlier once every word is one token)"""
     hidden_size: int = 128
@@ -268,6 +271,9 @@ if __name__ == "__main__":
     # the test split stays out so that its sentences are new to every model
     corpus = [row["prompt"] + row[column] for row in splits["train"] for column in ("chosen", "rejected")]
     corpus += [random_review(rng) for _ in range(args.num_extra_reviews)]
+    # a slice of it, as plain text, for ppo.py's pretraining mix (--unsup-dataset toy_task/pretrain.txt)
+    with open(os.path.join(args.output_dir, "pretrain.txt"), "w") as f:
+        f.write("\n".join(corpus[-args.num_extra_reviews :][: args.num_pretrain_lines]) + "\n")
 
     # 3. byte-level BPE tokenizer with its own pad token: a pad equal to EOS would mask out the real EOS
     # (the reward model reads its score at the EOS, and PPO truncates after it)
