@@ -268,19 +268,18 @@ def load_tokenizer(path: str, flag: str, **kwargs):
 
 
 def load_split(dataset: str, split: str, column: str, flag: str, split_flag: str, config: str | None = None,
-               file_kinds: dict = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}) -> datasets.Dataset:
+               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
     """One split of a hub data set or of a local file or folder, checked for the column we need; a one-line error
     that names the flag to fix otherwise."""
     if not os.path.exists(dataset) and not is_hub_name(dataset):
         fail(f"no data set at {dataset!r}; check {flag}")
-    if os.path.isfile(dataset) and not dataset.endswith(tuple(file_kinds)):
-        kinds = list(file_kinds)
-        fail(f"{flag} {dataset!r} is not a {', '.join(kinds[:-1])} or {kinds[-1]} file")
+    if os.path.isfile(dataset) and not dataset.endswith(extensions):
+        fail(f"{flag} {dataset!r} is not a {', '.join(extensions[:-1])} or {extensions[-1]} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
         fail(f"{flag} {dataset!r} is an empty file")
     try:
         if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
-            kind = file_kinds[os.path.splitext(dataset)[1]]
+            kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
             data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
         else:
             data = datasets.load_dataset(dataset, config, split=split)
@@ -479,7 +478,8 @@ def aligned_overflow(actor, critic, enabled: bool):
         return
     actor_overflow, critic_overflow = found_overflow(actor), found_overflow(critic)
     patched = []  # (object, method name): instance attributes that shadow the class's methods for this one step
-    for engine, skip in [(actor, critic_overflow and not actor_overflow), (critic, actor_overflow and not critic_overflow)]:
+    for engine, skip in [(actor, critic_overflow and not actor_overflow),
+                         (critic, actor_overflow and not critic_overflow)]:
         if skip:
             optimizer = engine.optimizer
             checker = getattr(optimizer, "overflow_checker", optimizer)  # ZeRO-0 asks its checker, ZeRO 1-3 themselves
@@ -511,11 +511,34 @@ def save_hf_folder(engine, tokenizer, path: str, zero_stage: int, is_main: bool)
             os.replace(tmp_dir, path)
 
 
+def save_weights(engine, path: str, is_main: bool) -> None:
+    """Every parameter of a frozen engine (the EMA) under the engine's own names (LoRA adapters unmerged), gathered
+    whole under ZeRO-3 (every rank takes part; rank 0 writes), in path/model.safetensors: for --resume."""
+    weights = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
+            if is_main:
+                weights[name] = param.detach().cpu().clone()
+    if is_main:
+        os.makedirs(path, exist_ok=True)
+        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
+
+
+def load_weights(engine, path: str) -> None:
+    """The inverse of save_weights: every parameter set from path/model.safetensors, under ZeRO-3 into every rank's
+    partition (modifier_rank)."""
+    with safetensors.safe_open(os.path.join(path, "model.safetensors"), framework="pt") as weights:
+        for name, param in engine.module.named_parameters():
+            with torch.no_grad(), deepspeed.zero.GatheredParameters(
+                    param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
+                param.data.copy_(weights.get_tensor(name))
+
+
 def save_training_state(engine, path: str, is_main: bool) -> dict:
     """What --resume needs of a trained model, in safetensors (nothing that a load would unpickle): the fp32 master
-    weights, as a Hugging Face folder that init_engine loads, and Adam's moments in adam.safetensors. Each tensor is
-    whole, gathered from the ranks' partitions under ZeRO (every rank takes part; rank 0 writes). Returns the
-    optimizer's step count and the scheduler's state, for state.json."""
+    weights in model.safetensors and Adam's moments in adam.safetensors, under the engine's own parameter names (LoRA
+    adapters unmerged). Each tensor is whole, gathered from the ranks' partitions under ZeRO (every rank takes part;
+    rank 0 writes). Returns the optimizer's step count and the scheduler's state, for state.json."""
     # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
     # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
     base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
@@ -534,23 +557,25 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
             moments[f"{name}.exp_avg"] = exp_avg.cpu().contiguous()
             moments[f"{name}.exp_avg_sq"] = exp_avg_sq.cpu().contiguous()
     if is_main:
-        engine.module.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        os.makedirs(path, exist_ok=True)
+        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
         safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
     adam_step = int(next(iter(base_optimizer.state.values()))["step"])
     return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict()}
 
 
 def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
-    """Restore Adam's moments, step count and learning rate that save_training_state wrote. The weights were
-    already loaded (init_engine read them from the same folder); under bf16 or ZeRO the fp32 master copy is set
-    again here, since the model's own weights may be rounded to bf16."""
+    """Restore the weights, Adam's moments, step count and learning rate that save_training_state wrote, into an
+    engine built from the model the run started from: the model's own weights (in its dtype) and, under bf16 or
+    ZeRO, the fp32 master copy that the optimizer updates."""
     # DeepSpeed creates Adam's moments lazily, at the first optimizer step. One step with learning rate 0 and zero
-    # gradients creates them without moving any weight; they are overwritten below.
+    # gradients creates them without moving any weight; everything is overwritten below.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
     for _ in range(engine.gradient_accumulation_steps()):
         engine.backward(engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits.sum() * 0.0)
         engine.step()
+    load_weights(engine, path)
     weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
     moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
     base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
@@ -587,7 +612,8 @@ if __name__ == "__main__":
                         ("--critic-learning-rate", args.critic_learning_rate), ("--temperature", args.temperature),
                         ("--cliprange", args.cliprange), ("--cliprange-value", args.cliprange_value),
                         ("--clip-score", args.clip_score), ("--kl-horizon", args.kl_horizon),
-                        ("--lora-alpha", args.lora_alpha), ("--actor-lora-learning-rate", args.actor_lora_learning_rate),
+                        ("--lora-alpha", args.lora_alpha),
+                        ("--actor-lora-learning-rate", args.actor_lora_learning_rate),
                         ("--critic-lora-learning-rate", args.critic_lora_learning_rate),
                         ("--inference-tp-size", args.inference_tp_size),
                         ("--tp-gather-partition-size", args.tp_gather_partition_size)]:
@@ -614,8 +640,6 @@ if __name__ == "__main__":
     if args.only_optimize_lora and not args.actor_lora_dim:
         fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim for the "
              "critic's)")
-    if lora and (args.save_every or args.resume):
-        fail("--save-every and --resume do not support LoRA yet: their checkpoints hold plain models")
     if args.align_overflow and args.dtype != "fp16":
         fail("--align-overflow is for --dtype fp16 (a GPU's loss-scaled training); bf16 and fp32 do not overflow")
     if args.enable_hybrid_engine and lora:
@@ -697,7 +721,7 @@ if __name__ == "__main__":
     if args.unsup_dataset is not None:
         text_data = load_split(args.unsup_dataset, "train", args.unsup_text_column, "--unsup-dataset",
                                "--unsup-dataset-config", args.unsup_dataset_config,
-                               {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"})
+                               (".txt", ".json", ".jsonl", ".parquet"))
         texts = [text for text in text_data[args.unsup_text_column] if isinstance(text, str) and text.strip()]
         token_stream = [t for ids in tokenizer(texts)["input_ids"] for t in ids + [tokenizer.eos_token_id]]
         block_len = args.max_prompt_len + args.max_new_tokens
@@ -718,9 +742,9 @@ if __name__ == "__main__":
     share_reference = args.only_optimize_lora
     if share_reference:
         reference_stage = args.actor_zero_stage
-    # --resume: actor and critic start from the latest complete checkpoint, which save_training_state wrote.
+    # --resume: the models are built as at the start, then take the weights and optimizer states of the latest
+    # complete checkpoint (load_training_state, load_weights).
     checkpoint_dir = os.path.join(args.output_dir, "resume")
-    actor_start, critic_start = args.actor_model_name_or_path, critic_path
     if args.resume:
         if not os.path.isfile(os.path.join(checkpoint_dir, "latest")):
             fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
@@ -728,9 +752,9 @@ if __name__ == "__main__":
             resume_dir = os.path.join(checkpoint_dir, f.read().strip())
         with open(os.path.join(resume_dir, "state.json")) as f:
             resume_state = json.load(f)
-        actor_start, critic_start = os.path.join(resume_dir, "actor"), os.path.join(resume_dir, "critic")
         if args.enable_ema and not os.path.isdir(os.path.join(resume_dir, "actor_ema")):
             fail(f"--resume --enable-ema: the checkpoint {resume_dir} has no actor_ema; it was written without EMA")
+    torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
     actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
     if args.enable_hybrid_engine:
         # DeepSpeed's hybrid engine (DeepSpeed-Chat): during generation the actor runs on inference kernels, with
@@ -740,12 +764,13 @@ if __name__ == "__main__":
             "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
             "pin_parameters": not args.unpin_actor_parameters,
             "tp_gather_partition_size": args.tp_gather_partition_size}
-    actor = init_engine(AutoModelForCausalLM, actor_start, actor_ds_config, args, args.actor_learning_rate,
-                        args.actor_gradient_checkpointing, args.actor_lora_dim, args.actor_lora_learning_rate)
+    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, actor_ds_config, args,
+                        args.actor_learning_rate, args.actor_gradient_checkpointing, args.actor_lora_dim,
+                        args.actor_lora_learning_rate)
     reference = actor if share_reference else init_engine(
         AutoModelForCausalLM, args.actor_model_name_or_path,
         deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
-    critic = init_engine(AutoModelForSequenceClassification, critic_start,
+    critic = init_engine(AutoModelForSequenceClassification, critic_path,
                          deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
                          args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
                          args.critic_lora_learning_rate)
@@ -755,16 +780,15 @@ if __name__ == "__main__":
     check_score_head(reward, "reward model")
     if args.enable_ema:
         # An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation
-        # only: frozen, ZeRO-3 when the actor is. It stays in fp32 whatever --dtype: in bf16, the (1 - decay) = 0.8%
-        # step toward the actor is below bf16's resolution (0.4% of a weight) for most weights, and the average
-        # would hardly move. It starts as the actor (decay 0), the same adapters included.
+        # only: frozen, ZeRO-3 when the actor is. It stays in fp32 whatever --dtype: each step moves a weight by
+        # (1 - decay) = 0.8% of its gap to the actor's, mostly far below bf16's resolution (0.4% of the weight), so in
+        # bf16 most steps would round away. It starts as the actor (decay 0), the same adapters included.
         ema_stage = 3 if args.actor_zero_stage == 3 else 0
         ema_ds_config = deepspeed_config(ema_stage, False, False, args)
         ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
-        ema = init_engine(AutoModelForCausalLM, os.path.join(resume_dir, "actor_ema") if args.resume else actor_start,
-                          ema_ds_config, args, lora_dim=args.actor_lora_dim)
-        if not args.resume:
-            update_ema(ema, actor, 0.0, args.actor_zero_stage)
+        ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, ema_ds_config, args,
+                          lora_dim=args.actor_lora_dim)
+        update_ema(ema, actor, 0.0, args.actor_zero_stage)
     # Reward normalization (N+ detail 15): reward_model.py stored the mean score of the SFT data; subtracting it
     # centres the scores at 0. The critic starts as a copy of the reward model, so its outputs get the same offset.
     reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
@@ -785,8 +809,10 @@ if __name__ == "__main__":
     kl_coef = args.kl_coef
     start_iteration = 0
     if args.resume:
-        load_training_state(actor, actor_start, resume_state["actor"], device)
-        load_training_state(critic, critic_start, resume_state["critic"], device)
+        load_training_state(actor, os.path.join(resume_dir, "actor"), resume_state["actor"], device)
+        load_training_state(critic, os.path.join(resume_dir, "critic"), resume_state["critic"], device)
+        if args.enable_ema:
+            load_weights(ema, os.path.join(resume_dir, "actor_ema"))
         start_iteration, kl_coef = resume_state["iteration"], resume_state["kl_coef"]
         if is_main:
             print(f"resumed from {resume_dir} at iteration {start_iteration}")
@@ -826,7 +852,9 @@ if __name__ == "__main__":
             # 1. Generate: sample a response to every prompt from the current policy pi_theta. With the weights
             # gathered, generation makes no collective call; without, every token all-gathers each layer, and
             # synced_gpus keeps the ranks stepping together until all are done, so that none waits forever.
-            gather_actor = args.actor_zero_stage == 3 and args.gather_weights_for_rollout and not args.enable_hybrid_engine
+            # (The hybrid engine gathers the actor's weights itself.)
+            gather_actor = (args.actor_zero_stage == 3 and args.gather_weights_for_rollout
+                            and not args.enable_hybrid_engine)
             with gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
                 actor.eval()  # in train mode, gradient checkpointing would switch generate's key-value cache off
                 sequences = actor.module.generate(
@@ -938,7 +966,8 @@ if __name__ == "__main__":
                     # [log pi(x)], so the actor's loss adds gamma times the language-modelling loss of a micro-batch of
                     # plain-text blocks, in the same backward pass and optimizer step as the policy loss.
                     blocks = unsup_blocks[torch.randint(len(unsup_blocks), (args.per_device_train_batch_size,))]
-                    unsup_loss = actor.module(input_ids=blocks.to(device), labels=blocks.to(device), use_cache=False).loss
+                    blocks = blocks.to(device)
+                    unsup_loss = actor.module(input_ids=blocks, labels=blocks, use_cache=False).loss
                     if not torch.isfinite(unsup_loss):
                         fail(f"iteration {iteration}: loss/unsup_avg is {unsup_loss.item()}; lower the learning rates")
                     actor_loss = pg_loss + args.unsup_coef * unsup_loss
@@ -1031,7 +1060,7 @@ if __name__ == "__main__":
                      "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
                      "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
             if args.enable_ema:
-                save_hf_folder(ema, tokenizer, os.path.join(path + ".tmp", "actor_ema"), ema_stage, is_main)
+                save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
             if is_main:
                 with open(os.path.join(path + ".tmp", "state.json"), "w") as f:
                     json.dump(state, f)

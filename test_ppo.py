@@ -154,12 +154,13 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
 
 
 @pytest.mark.parametrize("ranks, sigs, flags", [
-    (None, [signal.SIGTERM, signal.SIGKILL], []),
-    (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--dtype", "bf16"]),
+    (None, [signal.SIGTERM, signal.SIGKILL], ["--enable-ema", "--actor-lora-dim", "4", "--critic-lora-dim", "4"]),
+    (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--dtype", "bf16", "--enable-ema"]),
 ])
 def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
     """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
-    uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included."""
+    uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included, and
+    the EMA and LoRA adapters (on one rank) or the EMA under ZeRO-3 in bf16 (on two) end where they would have."""
     flags = ["--total-episodes", str(64 * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
     out = tmp_path / "straight"
     _, exp_name = run_ppo(stages, out, *flags, ranks=ranks)
@@ -185,6 +186,10 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
         before = uninterrupted[after["iteration"] - 1]
         for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
             assert after[name] == pytest.approx(before[name], rel=1e-5, abs=1e-6), (after["iteration"], name)
+    for folder in ["actor", "actor_ema"]:
+        straight, resumed = saved_weights(tmp_path / "straight" / folder), saved_weights(out / folder)
+        for name in straight:
+            torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-5)
 
 
 def test_first_ratio_check_catches_dropout(stages, tmp_path):
@@ -242,7 +247,6 @@ def test_ppo_bad_input(stages, bad, tmp_path):
         (["--resume"], "--resume: no complete checkpoint"),
         (["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, not 1.5"),
         (["--only-optimize-lora"], "--only-optimize-lora needs the actor's adapters"),
-        (["--actor-lora-dim", "4", "--save-every", "1"], "--save-every and --resume do not support LoRA yet"),
         (["--actor-lora-dim", "4", "--lora-target-modules", "nothing_matches"],
          "--lora-target-modules 'nothing_matches'"),
         (["--unsup-dataset", str(tmp_path / "missing.txt")], "no data set at"),
