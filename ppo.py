@@ -9,6 +9,8 @@ Each model is its own DeepSpeed engine with its own config and ZeRO stage, as in
 iteration samples responses to a batch of prompts (the rollout), scores them, turns scores and the KL penalty into
 per-token rewards and GAE advantages, then takes a few epochs of clipped PPO updates of actor and critic. The math is
 in rlhf_math.py; its docstring shows the layout of one sequence (which position holds which log-prob and value).
+DeepSpeed-Chat's extras (an EMA of the actor, LoRA, the pretraining mix, fp16 overflow alignment, the hybrid engine)
+are off by default, each behind its flag.
 
     python ppo.py                                          # the bundled toy task, a few minutes on a laptop CPU
     deepspeed --num_gpus 2 ppo.py --actor-zero-stage 3     # the same, on 2 ranks, the actor under ZeRO-3
@@ -343,7 +345,11 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
-    model = model_class.from_pretrained(path, config=config, use_safetensors=True,
+    # Loaded in the precision the engine trains in (fp32 unless its config says bf16 or fp16), not in the checkpoint's:
+    # transformers would otherwise keep an fp16 checkpoint in fp16 in an fp32 run.
+    dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
+        else torch.float32
+    model = model_class.from_pretrained(path, config=config, dtype=dtype, use_safetensors=True,
                                         trust_remote_code=args.trust_remote_code)
     if lora_dim:
         model = add_lora(model, lora_dim, args)

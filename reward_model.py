@@ -352,8 +352,11 @@ if __name__ == "__main__":
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
+    # Loaded in the precision it trains in, not in the checkpoint's (transformers would keep an fp16 checkpoint in
+    # fp16 in an fp32 run).
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, config=config, use_safetensors=True, trust_remote_code=args.trust_remote_code
+        args.model_name_or_path, config=config, use_safetensors=True, trust_remote_code=args.trust_remote_code,
+        dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype],
     )
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         fail(f"{type(model).__name__} has no linear `score` head; use a model whose sequence-classification head is "

@@ -205,6 +205,16 @@ def test_first_ratio_check_catches_dropout(stages, tmp_path):
     run_ppo(stages, tmp_path / "no_dropout", *flags)  # dropout disabled, as by default: the ratio is exactly 1
 
 
+def test_a_half_precision_checkpoint_trains_in_fp32(stages, tmp_path):
+    # transformers keeps a checkpoint's own dtype by default; --dtype fp32 (the default) must still train in fp32.
+    half = tmp_path / "sft_fp16"
+    AutoModelForCausalLM.from_pretrained(stages[1], dtype=torch.float16).save_pretrained(half)
+    AutoTokenizer.from_pretrained(stages[1]).save_pretrained(half)
+    _, exp_name = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--actor-model-name-or-path", str(half))
+    read_metrics(exp_name)
+    assert {w.dtype for w in saved_weights(tmp_path / "out" / "actor").values()} == {torch.float32}
+
+
 def test_a_batch_of_invalid_generations_with_nothing_to_reuse(stages, tmp_path):
     result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--min-response-tokens", "1000", check=False)
     assert "iteration 0: no response has --min-response-tokens 1000 real tokens" in error_of(result)
