@@ -452,13 +452,14 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def update_ema(ema, actor, decay: float, zero_stage: int) -> None:
+def update_ema(ema, actor, decay: float) -> None:
     """ema = decay * ema + (1 - decay) * actor for every parameter (rlhf_math.ema_update). Under ZeRO-3 each pair is
     gathered in turn and the EMA's new value written back to the ranks' partitions (modifier_rank)."""
+    zero3 = actor.zero_optimization_stage() == 3  # the EMA's stage follows the actor's
     with torch.no_grad():
         for ema_param, param in zip(ema.module.parameters(), actor.module.parameters()):
-            with deepspeed.zero.GatheredParameters(param, enabled=zero_stage == 3), \
-                    deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0, enabled=zero_stage == 3):
+            with deepspeed.zero.GatheredParameters(param, enabled=zero3), \
+                    deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0, enabled=zero3):
                 ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, param.data.to(ema_param.dtype), decay))
 
 
@@ -530,14 +531,13 @@ def save_weights(engine, path: str, is_main: bool) -> None:
         safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
 
 
-def load_weights(engine, path: str) -> None:
-    """The inverse of save_weights: every parameter set from path/model.safetensors, under ZeRO-3 into every rank's
-    partition (modifier_rank)."""
-    with safetensors.safe_open(os.path.join(path, "model.safetensors"), framework="pt") as weights:
-        for name, param in engine.module.named_parameters():
-            with torch.no_grad(), deepspeed.zero.GatheredParameters(
-                    param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
-                param.data.copy_(weights.get_tensor(name))
+def load_weights(engine, weights: dict[str, torch.Tensor]) -> None:
+    """The inverse of save_weights: every parameter set from `weights` (a loaded model.safetensors, by the engine's own
+    names), under ZeRO-3 into every rank's partition (modifier_rank)."""
+    for name, param in engine.module.named_parameters():
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(
+                param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
+            param.data.copy_(weights[name])
 
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
@@ -581,8 +581,8 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     for _ in range(engine.gradient_accumulation_steps()):
         engine.backward(engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits.sum() * 0.0)
         engine.step()
-    load_weights(engine, path)
     weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+    load_weights(engine, weights)
     moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
     base_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
     plain = engine.optimizer is base_optimizer  # ZeRO-0 in fp32, as in save_training_state
@@ -794,7 +794,7 @@ if __name__ == "__main__":
         ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
         ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, ema_ds_config, args,
                           lora_dim=args.actor_lora_dim)
-        update_ema(ema, actor, 0.0, args.actor_zero_stage)
+        update_ema(ema, actor, 0.0)
     # Reward normalization (N+ detail 15): reward_model.py stored the mean score of the SFT data; subtracting it
     # centres the scores at 0. The critic starts as a copy of the reward model, so its outputs get the same offset.
     reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
@@ -818,7 +818,8 @@ if __name__ == "__main__":
         load_training_state(actor, os.path.join(resume_dir, "actor"), resume_state["actor"], device)
         load_training_state(critic, os.path.join(resume_dir, "critic"), resume_state["critic"], device)
         if args.enable_ema:
-            load_weights(ema, os.path.join(resume_dir, "actor_ema"))
+            ema_weights = safetensors.torch.load_file(os.path.join(resume_dir, "actor_ema", "model.safetensors"))
+            load_weights(ema, ema_weights)
         start_iteration, kl_coef = resume_state["iteration"], resume_state["kl_coef"]
         if is_main:
             print(f"resumed from {resume_dir} at iteration {start_iteration}")
@@ -984,7 +985,7 @@ if __name__ == "__main__":
                     actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
                     critic.step()
                 if args.enable_ema and (micro_step + 1) % args.gradient_accumulation_steps == 0:
-                    update_ema(ema, actor, args.ema_decay, args.actor_zero_stage)  # after every actor optimizer step
+                    update_ema(ema, actor, args.ema_decay)  # after every actor optimizer step
                 with torch.no_grad():
                     entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(new_logits, args.temperature), mb["mask"])
                 for name, value in [("approxkl", pg_stats["approxkl"]), ("clipfrac", pg_stats["clipfrac"]),
