@@ -74,7 +74,7 @@ class Args:
     """forward passes per mini-batch (gradient accumulation)"""
     warmup_iterations: int = 2
     """iterations run but not timed"""
-    iterations: int = 5
+    iterations: int = 15
     """iterations timed"""
     two_rank_stages: list[int] = field(default_factory=lambda: [0, 2, 3])
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""

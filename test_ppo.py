@@ -360,6 +360,8 @@ def test_ema_is_the_decayed_average_of_the_actor_weights(stages, tmp_path):
         metrics = read_metrics(exp_name)
         check_metrics(metrics, iterations)
         assert all(math.isfinite(m["loss/unsup_avg"]) and m["loss/unsup_avg"] > 0 for m in metrics)
+        # Actor and reference, each gathered whole from its ZeRO-3 shards by ppo.gathered, start as the same model.
+        assert metrics[0]["objective/kl"] == 0.0
     w0, w1, w2 = history
     ema = saved_weights(out / "actor_ema")
     assert ema.keys() == w2.keys()
