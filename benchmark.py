@@ -7,7 +7,7 @@ forward passes of actor, reference, critic and reward, and the forward, backward
 critic for the same number of micro-batches. That sum is the "limit". Responses are forced to full length: the
 benchmark's tokenizer puts EOS outside the models' vocabulary, so no model can sample it.
 
-    python benchmark.py                       # the default CPU shape (about 5 minutes on 2 cores)
+    python benchmark.py                       # the default CPU shape (about 2 minutes on 2 cores)
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
 
 Prints one table and writes it as JSON (--output-json) for comparison across commits.
