@@ -514,11 +514,12 @@ def aligned_overflow(actor, critic, enabled: bool):
             delattr(obj, name)
 
 
-def save_hf_folder(engine, tokenizer, path: str, zero_stage: int, is_main: bool) -> None:
+def save_hf_folder(engine, tokenizer, path: str, is_main: bool) -> None:
     """An ordinary Hugging Face folder (safetensors + tokenizer), with any LoRA adapters merged into the weights.
     Under ZeRO-3 the full weights are gathered first (every rank takes part); written to a temporary folder and
     renamed, so a checkpoint is never half-written."""
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero_stage == 3):
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=engine.zero_optimization_stage() == 3):
         if is_main:
             tmp_dir = path.rstrip("/") + ".tmp"
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -800,8 +801,7 @@ if __name__ == "__main__":
         # only: frozen, ZeRO-3 when the actor is. It stays in fp32 whatever --dtype: each step moves a weight by
         # (1 - decay) = 0.8% of its gap to the actor's, mostly far below bf16's resolution (0.4% of the weight), so in
         # bf16 most steps would round away. It starts as the actor (decay 0), the same adapters included.
-        ema_stage = 3 if args.actor_zero_stage == 3 else 0
-        ema_ds_config = deepspeed_config(ema_stage, False, False, args)
+        ema_ds_config = deepspeed_config(3 if args.actor_zero_stage == 3 else 0, False, False, args)
         ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
         ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, ema_ds_config, args,
                           lora_dim=args.actor_lora_dim)
@@ -1092,10 +1092,10 @@ if __name__ == "__main__":
                         shutil.rmtree(os.path.join(checkpoint_dir, old))
 
     # Save the trained actor and critic as ordinary Hugging Face folders.
-    save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, is_main)
-    save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage, is_main)
+    save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), is_main)
+    save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), is_main)
     if args.enable_ema:
-        save_hf_folder(ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), ema_stage, is_main)
+        save_hf_folder(ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), is_main)
     if is_main:
         print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
               f"in {time.time() - start_time:.0f}s")

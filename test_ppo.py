@@ -417,7 +417,8 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     adapter_logprobs = logprobs(model)
     with ppo.adapters_disabled(model):
         assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
-    ppo.save_hf_folder(types.SimpleNamespace(module=model), tokenizer, str(tmp_path / "merged"), 0, True)
+    ppo.save_hf_folder(types.SimpleNamespace(module=model, zero_optimization_stage=lambda: 0), tokenizer,
+                       str(tmp_path / "merged"), True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
