@@ -212,9 +212,34 @@ def make_near_tie(rng: random.Random) -> tuple:
     return ("and", [first, shared]), ("and", [second, shared])
 
 
-MAKERS = {"plain": make_plain, "negation": make_negation, "contrast": make_contrast, "near_tie": make_near_tie}
-KIND_SHARES = {"plain": 0.30, "negation": 0.225, "contrast": 0.225, "near_tie": 0.25}
+def random_response(rng: random.Random, sign: int) -> tuple:
+    """Any form the task writes, its main clause of the given sign: "and" joins two clauses of that sign, and the
+    conceded clause of "but"/"although" has either sign."""
+    aspect_1, aspect_2 = rng.sample(ASPECTS, 2)
+    form = rng.choice(["single", "and", "but", "although"])
+    if form == "single":
+        return form, [random_clause(rng, sign, aspect_1)]
+    first_sign = sign if form == "and" else rng.choice([+1, -1])
+    return form, [random_clause(rng, first_sign, aspect_1), random_clause(rng, sign, aspect_2)]
+
+
+def make_cross_form(rng: random.Random) -> tuple:
+    """Two responses of different forms, most often both positive: "A, but B" against "A and B", one clause against
+    two, graded by the rule ("a bit dull, but superb" 2.75 < "fun and superb" 4 < "truly brilliant and superb" 7.5).
+    The other kinds compare like with like; these teach the reward model how the forms compare."""
+    sign = +1 if rng.random() < CROSS_FORM_POSITIVE else -1
+    while True:
+        first, second = random_response(rng, sign), random_response(rng, sign)
+        if (first[0], len(first[1])) != (second[0], len(second[1])):
+            return first, second
+
+
+MAKERS = {"plain": make_plain, "negation": make_negation, "contrast": make_contrast, "near_tie": make_near_tie,
+          "cross_form": make_cross_form}
+KIND_SHARES = {"plain": 0.15, "negation": 0.15, "contrast": 0.15, "near_tie": 0.10, "cross_form": 0.45}
 MIN_NEAR_TIE_GAP = 1.5  # near ties: same sign, scores at least this far apart ("good" 1 vs "clever" 2 is too close)
+MIN_CROSS_FORM_GAP = 1.0  # cross-form pairs: scores at least this far apart, whatever their signs
+CROSS_FORM_POSITIVE = 0.8  # share of cross-form pairs whose main clauses are positive (the policies' side of the scale)
 MIN_ABS_SCORE = 0.5  # other kinds: chosen >= +0.5 and rejected <= -0.5
 
 
@@ -227,6 +252,8 @@ def make_pair(rng: random.Random, kind: str) -> dict:
         high, low = response_score(first), response_score(second)
         if kind == "near_tie":
             clear = high - low >= MIN_NEAR_TIE_GAP and (high > 0) == (low > 0)
+        elif kind == "cross_form":
+            clear = high - low >= MIN_CROSS_FORM_GAP
         else:
             clear = high >= MIN_ABS_SCORE and low <= -MIN_ABS_SCORE
         chosen, rejected = response_text(rng, first), response_text(rng, second)
@@ -237,13 +264,8 @@ def make_pair(rng: random.Random, kind: str) -> dict:
 
 def random_review(rng: random.Random) -> str:
     """Unpaired review text for pretraining: any form, any polarity, so the base model learns no preference."""
-    aspect_1, aspect_2 = rng.sample(ASPECTS, 2)
-    form = rng.choice(["single", "and", "but", "although"])
-    sign_1 = rng.choice([+1, -1])
-    sign_2 = sign_1 if form == "and" else rng.choice([+1, -1])
-    clauses = [random_clause(rng, sign_1, aspect_1), random_clause(rng, sign_2, aspect_2)]
     prompt = rng.choice(PROMPT_OPENERS) + rng.choice(PROMPT_ENDINGS)
-    return prompt + response_text(rng, (form, clauses[:1] if form == "single" else clauses))
+    return prompt + response_text(rng, random_response(rng, rng.choice([+1, -1])))
 
 
 if __name__ == "__main__":
