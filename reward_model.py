@@ -6,9 +6,11 @@ that the preferred response of each pair scores higher (InstructGPT eq. 1, a Bra
     loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))          (rlhf_math.pairwise_reward_loss)
 
 The score of a sequence is the head's output at its last real token, the EOS that ends the response: the same
-place where ppo.py reads it and where its score lands. After training, the mean score of prompt + chosen over the
-training data is stored in the checkpoint's config.json as `reward_mean`; ppo.py subtracts it so that the rewards
-are centred at 0 (reward normalization, "The N+ implementation details of RLHF with PPO", detail 15).
+place where ppo.py reads it and where its score lands. After training, the policy that PPO starts from (the SFT model)
+answers training prompts, and the mean and standard deviation of the scores of its responses are stored in the
+checkpoint's config.json as `reward_mean` and `reward_std`; ppo.py and evaluate.py use (score - reward_mean) /
+reward_std, which has mean 0 and standard deviation 1 where PPO starts (reward normalization with a gain and a bias,
+Ziegler et al. 2019).
 
     python reward_model.py                                   # the bundled toy task, from checkpoints/sft
     deepspeed --num_gpus 2 reward_model.py --zero-stage 3    # the same, on 2 ranks with ZeRO-3
@@ -34,7 +36,8 @@ from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig, get_cosine_schedule_with_warmup)
 from transformers.integrations import HfDeepSpeedConfig
 
 import rlhf_math
@@ -87,7 +90,7 @@ class Args:
     """pairs per rank per evaluation batch"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
-    learning_rate: float = 2e-4
+    learning_rate: float = 4e-4
     """peak learning rate of AdamW (the toy default; real models of 1B parameters want about 1e-5)"""
     warmup_ratio: float = 0.05
     """share of the optimizer steps spent warming the learning rate up, before its cosine decay to 0"""
@@ -99,6 +102,17 @@ class Args:
     """recompute activations in the backward pass: less memory, about a third more compute"""
     disable_dropout: bool = True
     """set every dropout probability to 0 (the RLHF convention; --no-disable-dropout keeps the model's own)"""
+
+    # Reward normalization: the scores of the policy's own responses set reward_mean and reward_std
+    normalization_samples: int = 1024
+    """responses sampled from the policy for training prompts, after training; their scores' mean and standard
+    deviation are stored as reward_mean and reward_std, so that the normalized score has mean 0 and std 1 on them"""
+    policy_model_name_or_path: str | None = None
+    """the policy that samples them, the one PPO starts from; --model-name-or-path (the SFT model) when not set"""
+    max_new_tokens: int = 24
+    """longest sampled response: ppo.py's --max-new-tokens"""
+    temperature: float = 1.0
+    """sampling temperature: ppo.py's --temperature"""
 
     # DeepSpeed
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -200,7 +214,7 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
         if max(len(s) for s in sides) > args.max_seq_len:
             too_long += 1
             continue
-        examples.append({"chosen": sides[0], "rejected": sides[1]})
+        examples.append({"prompt": prompt_ids, "chosen": sides[0], "rejected": sides[1]})
     if too_long and args.local_rank <= 0:
         print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len {args.max_seq_len}")
     if not examples:
@@ -208,13 +222,17 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
     return examples
 
 
-def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """B pairs -> one right-padded batch of 2B sequences: the B chosen first, then the B rejected."""
-    sequences = [e["chosen"] for e in examples] + [e["rejected"] for e in examples]
+def right_pad(sequences: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Token-id lists -> input_ids and attention_mask [len(sequences), longest], padded on the right."""
     length = max(len(s) for s in sequences)
     input_ids = [s + [pad_token_id] * (length - len(s)) for s in sequences]
     attention_mask = [[1] * len(s) + [0] * (length - len(s)) for s in sequences]
     return {"input_ids": torch.tensor(input_ids), "attention_mask": torch.tensor(attention_mask)}
+
+
+def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """B pairs -> one right-padded batch of 2B sequences: the B chosen first, then the B rejected."""
+    return right_pad([e["chosen"] for e in examples] + [e["rejected"] for e in examples], pad_token_id)
 
 
 def deepspeed_config(args: Args) -> dict:
@@ -266,24 +284,32 @@ def evaluate(engine, loader, device) -> dict[str, float]:
             "chosen_score": total[2].item() / n, "rejected_score": total[3].item() / n}
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    # Bad flags stop here, with a message that names them, before anything is loaded.
+def check_args(args: Args) -> None:
+    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
     for flag, value in [("--per-device-train-batch-size", args.per_device_train_batch_size),
                         ("--per-device-eval-batch-size", args.per_device_eval_batch_size),
                         ("--gradient-accumulation-steps", args.gradient_accumulation_steps),
                         ("--num-train-epochs", args.num_train_epochs), ("--logging-steps", args.logging_steps),
-                        ("--max-seq-len", args.max_seq_len)]:
+                        ("--max-seq-len", args.max_seq_len), ("--max-new-tokens", args.max_new_tokens)]:
         if value < 1:
             fail(f"{flag} must be at least 1, not {value}")
-    if not args.learning_rate > 0:
-        fail(f"--learning-rate must be positive, not {args.learning_rate}")
+    if args.normalization_samples < 2:
+        fail(f"--normalization-samples must be at least 2 (a standard deviation needs two), not "
+             f"{args.normalization_samples}")
+    for flag, value in [("--learning-rate", args.learning_rate), ("--temperature", args.temperature)]:
+        if not value > 0:
+            fail(f"{flag} must be positive, not {value}")
     if not 0 <= args.warmup_ratio <= 1:
         fail(f"--warmup-ratio must be between 0 and 1, not {args.warmup_ratio}")
     if not 0 <= args.seed < 2**32:
         fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
     if os.path.isfile(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
 
     # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
     if "RANK" not in os.environ:
@@ -308,6 +334,8 @@ if __name__ == "__main__":
     # Tokenizer. Padding must not be EOS: the score is read at the EOS, which must not look like padding.
     model_hint = "train stage 1 first (python sft.py) or check --model-name-or-path"
     check_model_folder(args.model_name_or_path, model_hint)
+    if args.policy_model_name_or_path is not None:
+        check_model_folder(args.policy_model_name_or_path, "check --policy-model-name-or-path")
     tokenizer_path = args.tokenizer_name_or_path or args.model_name_or_path
     tokenizer = load_tokenizer(tokenizer_path, "check --tokenizer-name-or-path" if args.tokenizer_name_or_path
                                else model_hint, args.trust_remote_code)
@@ -348,16 +376,19 @@ if __name__ == "__main__":
     if args.max_seq_len > getattr(config, "max_position_embeddings", args.max_seq_len):
         fail(f"--max-seq-len {args.max_seq_len} is longer than the model's {config.max_position_embeddings} positions; "
              "lower it")
+    if args.max_seq_len + args.max_new_tokens > getattr(config, "max_position_embeddings", float("inf")):
+        fail(f"--max-seq-len {args.max_seq_len} + --max-new-tokens {args.max_new_tokens} (a training prompt and a "
+             f"sampled response) is longer than the model's {config.max_position_embeddings} positions; lower them")
     if args.disable_dropout:
         for key, value in config.to_dict().items():
             if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
                 setattr(config, key, 0.0)
     # Loaded in the precision it trains in, not in the checkpoint's (transformers would keep an fp16 checkpoint in
     # fp16 in an fp32 run).
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model = AutoModelForSequenceClassification.from_pretrained(
         args.model_name_or_path, config=config, use_safetensors=True, trust_remote_code=args.trust_remote_code,
-        dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype],
-    )
+        dtype=dtype)
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         fail(f"{type(model).__name__} has no linear `score` head; use a model whose sequence-classification head is "
              "called `score` (Llama, Mistral, Qwen, GPT-NeoX/Pythia, OPT, GPT-2, ...)")
@@ -438,21 +469,54 @@ if __name__ == "__main__":
         for name, value in metrics.items():
             writer.add_scalar(f"eval/{name}", value, step)
 
-    # Reward normalization: the mean score of prompt + chosen over the training data, stored in config.json so that
-    # ppo.py can subtract it (scores centred at 0 keep the value targets small and the KL trade-off stable).
+    # REWARD NORMALIZATION (Ziegler et al. 2019; lm-human-preferences' gain and bias). The policy PPO starts from
+    # answers training prompts, sampled as ppo.py samples, and the mean and standard deviation of the trained model's
+    # scores of those responses go into config.json. ppo.py and evaluate.py use (score - reward_mean) / reward_std:
+    # mean 0 and std 1 where PPO starts, so --clip-score and --kl-coef mean the same whatever the model's own scale.
     engine.eval()
+    policy_path = args.policy_model_name_or_path or args.model_name_or_path
+    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, use_safetensors=True,
+                                                  trust_remote_code=args.trust_remote_code)
+    if args.zero_stage == 3:  # partitioned like the reward model (HfDeepSpeedConfig is still alive)
+        policy_engine, *_ = deepspeed.initialize(model=policy.requires_grad_(False), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,
+            "bf16": {"enabled": args.dtype == "bf16"}, "fp16": {"enabled": args.dtype == "fp16"}})
+        policy = policy_engine.module
+    else:
+        policy = policy.to(device)
+    policy.eval()
+    # Plain multinomial sampling at the temperature, pad suppressed; this replaces the folder's own
+    # generation_config.json, whose settings (a repetition penalty, min_new_tokens) would change what is sampled.
+    policy.generation_config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        suppress_tokens=[tokenizer.pad_token_id])
+    per_rank = math.ceil(args.normalization_samples / args.world_size)  # the same on every rank: ZeRO-3 steps together
+    picked = random.Random(args.seed).choices(range(len(train_data)), k=per_rank * args.world_size)
+    prompts = [train_data[i]["prompt"] for i in picked[dist.get_rank() :: args.world_size]]
+    moments = torch.zeros(3, dtype=torch.float64, device=device)  # [number, sum, sum of squares] of the scores
     with torch.no_grad():
-        total = torch.zeros(2, device=device)  # [sum of chosen scores, number of pairs]
-        for batch in DataLoader(train_data[dist.get_rank() :: args.world_size], args.per_device_eval_batch_size,
-                                collate_fn=collate_fn):
-            scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            chosen_scores = scores.chunk(2)[0]
-            total += torch.stack([chosen_scores.sum(), torch.tensor(float(len(chosen_scores)))])
-        dist.all_reduce(total)
-    engine.module.config.reward_mean = total[0].item() / total[1].item()
+        for start in range(0, per_rank, args.per_device_eval_batch_size):
+            batch = prompts[start : start + args.per_device_eval_batch_size]
+            width = max(len(p) for p in batch)  # left padding, so that every response starts at position `width`
+            prompt_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in batch], device=device)
+            prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            responses = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                        synced_gpus=args.zero_stage == 3)[:, width:]
+            lengths = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id).sum(dim=1)  # EOS included
+            sequences = [p + r[:n].tolist() for p, r, n in zip(batch, responses, lengths)]
+            scored = right_pad(sequences, tokenizer.pad_token_id)
+            scores = sequence_scores(engine.module, scored["input_ids"].to(device),
+                                     scored["attention_mask"].to(device)).double()
+            moments += torch.stack([torch.tensor(float(len(scores)), device=device), scores.sum(), (scores**2).sum()])
+    dist.all_reduce(moments)
+    n, total, total_squares = moments.tolist()
+    engine.module.config.reward_mean = total / n
+    engine.module.config.reward_std = math.sqrt(max(total_squares - n * (total / n) ** 2, 0.0) / (n - 1))
     if is_main:
-        print(f"reward normalization: mean score of prompt + chosen over the training data = "
-              f"{engine.module.config.reward_mean:.4f}, stored as `reward_mean` in config.json")
+        print(f"reward normalization: on {int(n)} responses of {policy_path!r} to training prompts the scores have mean "
+              f"{engine.module.config.reward_mean:.4f} and standard deviation {engine.module.config.reward_std:.4f}, "
+              "stored as reward_mean and reward_std in config.json")
 
     # Save an ordinary Hugging Face folder. Under ZeRO-3 each rank holds a shard of every parameter: gather the full
     # weights (every rank must take part) and let rank 0 write them. Written to a temporary folder, then renamed, so

@@ -246,9 +246,8 @@ def evaluate(engine, loader, device) -> float:
     return (total[0] / total[1]).item()
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    # Bad flags stop here, with a message that names them, before anything is loaded.
+def check_args(args: Args) -> None:
+    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
     for flag, value in [("--per-device-train-batch-size", args.per_device_train_batch_size),
                         ("--per-device-eval-batch-size", args.per_device_eval_batch_size),
                         ("--gradient-accumulation-steps", args.gradient_accumulation_steps),
@@ -264,6 +263,11 @@ if __name__ == "__main__":
         fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
     if os.path.isfile(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
 
     # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
     if "RANK" not in os.environ:

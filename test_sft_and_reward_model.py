@@ -5,6 +5,7 @@ checked. The bad-input tests check that each mistake stops the script with a one
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -14,7 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
+
+import ppo
+import reward_model
+import rlhf_math
+import sft
 
 BASE_MODEL = "toy_task/base_model"
 # A few optimizer steps: datasets' split slicing keeps the runs short without a flag of our own.
@@ -67,12 +74,14 @@ def check_sft_folder(path):
 
 
 def check_reward_model_folder(path):
-    """The folder loads as a 1-label sequence classifier with its tokenizer, scores finitely, stores reward_mean."""
+    """The folder loads as a 1-label sequence classifier with its tokenizer, scores finitely, and stores the
+    normalization, reward_mean and reward_std."""
     assert os.path.isfile(os.path.join(path, "model.safetensors"))
     tokenizer = check_tokenizer(path)
     model = AutoModelForSequenceClassification.from_pretrained(path)
     assert model.config.num_labels == 1
-    assert isinstance(AutoConfig.from_pretrained(path).reward_mean, float)
+    config = AutoConfig.from_pretrained(path)
+    assert math.isfinite(config.reward_mean) and math.isfinite(config.reward_std) and config.reward_std > 0
     ids = tokenizer("I watched this film and the story was moving.")["input_ids"] + [tokenizer.eos_token_id]
     scores = model(torch.tensor([ids])).logits
     assert scores.shape == (1, 1) and torch.isfinite(scores).all()
@@ -95,15 +104,43 @@ def test_sft_two_ranks_zero3(tmp_path):
     check_sft_folder(str(tmp_path / "sft"))
 
 
+@torch.no_grad()
+def normalized_scores_of_samples(policy_path, reward_path, prompts, seed):
+    """(score - reward_mean) / reward_std of one response per prompt, sampled from the policy as ppo.py samples."""
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+    reward = AutoModelForSequenceClassification.from_pretrained(reward_path).eval()
+    generation_config = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                         suppress_tokens=[tokenizer.pad_token_id])
+    torch.manual_seed(seed)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    P = batch["input_ids"].shape[1]
+    responses = policy.generate(**batch, generation_config=generation_config)[:, P:]
+    response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
+    responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
+    sequences = torch.cat([batch["input_ids"], responses], dim=1)
+    attention_mask = torch.cat([batch["attention_mask"], response_mask], dim=1)
+    return ppo.reward_scores(reward, sequences, attention_mask, P, reward.config.reward_mean, reward.config.reward_std)
+
+
 def test_reward_model_one_rank(sft_checkpoint, tmp_path):
-    result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir", str(tmp_path / "rm"))
-    assert "held-out accuracy" in result.stdout
+    result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir",
+                 str(tmp_path / "rm"), "--normalization-samples", "256")
+    assert "held-out accuracy" in result.stdout and "reward normalization: on 256 responses" in result.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
+    # The stored normalization is that of the SFT policy's responses to training prompts: on other samples of it
+    # (another seed), the normalized scores have mean about 0 and standard deviation about 1 (the standard errors of
+    # both estimates together: about 0.09 for the mean, 0.06 for the standard deviation).
+    prompts = [json.loads(line)["prompt"] for line in open("toy_task/data/train.jsonl")][:64] * 4
+    scores = normalized_scores_of_samples(sft_checkpoint, str(tmp_path / "rm"), prompts, seed=12345)
+    assert abs(scores.mean().item()) < 0.3 and abs(scores.std().item() - 1) < 0.25, (scores.mean(), scores.std())
 
 
 def test_reward_model_two_ranks_zero3(sft_checkpoint, tmp_path):
-    run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--zero-stage", "3",
-        "--output-dir", str(tmp_path / "rm"), ranks=2)
+    result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--zero-stage", "3",
+                 "--output-dir", str(tmp_path / "rm"), "--normalization-samples", "64", ranks=2)
+    assert "reward normalization: on 64 responses" in result.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
 
 
@@ -144,33 +181,55 @@ def check_errors(script, flags, cases):
         assert message in error_of(result) and "Traceback" not in result.stderr, (case_flags, result.stderr[-3000:])
 
 
+def check_stops(cases):
+    """Each (call, message): calling one of a script's own checks stops it with that one-line message (its fail()
+    raises SystemExit with the message, which Python prints without a stack trace). In-process, so that the many
+    cases cost no process start each; check_errors runs a few of them as a user would, to show main calls them."""
+    for call, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            call()
+        assert message in str(stop.value), (message, str(stop.value))
+
+
 def test_sft_bad_input(bad, tmp_path):
-    one_file = ["--train-split", "train", "--eval-split", "train"]
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    one_file = sft.load_split(str(bad / "empty_prompt.jsonl"), "train", ["prompt", "chosen"])
+    check_stops([
+        (lambda: sft.load_split("toy_task/data", "train[:64]", ["prompt", "answer"]), "has no column ['answer']"),
+        (lambda: sft.load_split(str(bad / "nothing"), "train", ["prompt"]),
+         f"no data set at '{bad}/nothing'; check --dataset"),
+        (lambda: sft.load_split(str(bad / "data.csv"), "train", ["prompt"]),
+         "data.csv' is not a .json, .jsonl or .parquet file"),
+        (lambda: sft.load_split(str(bad / "broken.jsonl"), "train", ["prompt"]),
+         "broken.jsonl' (JSON parse error: Missing a colon"),
+        (lambda: sft.load_split(str(bad / "empty.jsonl"), "train", ["prompt"]), "empty.jsonl' is an empty file"),
+        (lambda: sft.load_split("toy_task/data", "dev", ["prompt"]),
+         "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
+        (lambda: sft.tokenize_demonstrations(one_file, tokenizer, sft.Args(), "train"),
+         "row 1 of split 'train' has an empty 'prompt'"),
+        # One file is every split, and a slice of it works; here no row of it fits.
+        (lambda: sft.tokenize_demonstrations(sft.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
+                                             tokenizer, sft.Args(max_seq_len=4), "train[:64]"),
+         "no row of split 'train[:64]' fits --max-seq-len 4"),
+        (lambda: sft.check_model_folder(str(bad / "nothing"), "check --model-name-or-path"), "no model folder at"),
+        (lambda: sft.check_model_folder(str(bad / "empty_folder"), "check --model-name-or-path"),
+         "empty_folder' holds no model (no config.json)"),
+        (lambda: sft.check_model_folder(str(bad / "no_weights"), "check --model-name-or-path"),
+         "no_weights' has no model weights (model.safetensors)"),
+        (lambda: sft.load_tokenizer(str(bad / "empty_folder"), "check --tokenizer-name-or-path", False),
+         "cannot load a tokenizer from"),
+        (lambda: sft.check_args(sft.Args(learning_rate=-1.0)), "--learning-rate must be positive, not -1.0"),
+        (lambda: sft.check_args(sft.Args(num_train_epochs=0)), "--num-train-epochs must be at least 1, not 0"),
+        (lambda: sft.check_args(sft.Args(output_dir=str(bad / "a_file"))), "a_file' is a file; name a folder"),
+    ])
     check_errors("sft.py", [*FEW_STEPS, "--output-dir", str(tmp_path / "out")], [
-        (["--response-column", "answer"], "has no column ['answer']"),
         (["--prompt-column", "promt"],
          "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
-        (["--dataset", str(bad / "nothing")], f"no data set at '{bad}/nothing'; check --dataset"),
-        (["--dataset", str(bad / "data.csv")], "data.csv' is not a .json, .jsonl or .parquet file"),
-        (["--dataset", str(bad / "broken.jsonl"), *one_file], "broken.jsonl' (JSON parse error: Missing a colon"),
-        (["--dataset", str(bad / "empty.jsonl"), *one_file], "empty.jsonl' is an empty file"),
-        (["--eval-split", "dev"], "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
-        (["--dataset", str(bad / "empty_prompt.jsonl"), *one_file], "row 1 of split 'train' has an empty 'prompt'"),
-        # One file is every split, and a slice of it works; here no row of it fits.
-        (["--dataset", "toy_task/data/test.jsonl", "--max-seq-len", "4"],
-         "no row of split 'train[:64]' fits --max-seq-len 4"),
-        (["--max-seq-len", "1000"], "--max-seq-len 1000 is longer than the model's 128 positions"),
-        (["--model-name-or-path", str(bad / "nothing")], "no model folder at"),
-        (["--model-name-or-path", str(bad / "empty_folder")], "empty_folder' holds no model (no config.json)"),
-        (["--model-name-or-path", str(bad / "no_weights")], "no_weights' has no model weights (model.safetensors)"),
         (["--model-name-or-path", str(bad / "pickle_only")],
          "pickle_only' has no model.safetensors; only safetensors weights are loaded (no pickle)"),
-        (["--tokenizer-name-or-path", str(bad / "empty_folder")], "cannot load a tokenizer from"),
+        (["--max-seq-len", "1000"], "--max-seq-len 1000 is longer than the model's 128 positions"),
         (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be at least 1, not 0"),
         (["--per-device-train-batch-size", "100"], "64 training rows make no optimizer step of 100 sequences"),
-        (["--learning-rate", "-1"], "--learning-rate must be positive, not -1.0"),
-        (["--num-train-epochs", "0"], "--num-train-epochs must be at least 1, not 0"),
-        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
     ])
     result = run("sft.py", "--zero-stage", "4", check=False)
@@ -182,18 +241,30 @@ def test_sft_bad_input(bad, tmp_path):
 
 
 def test_reward_model_bad_input(bad, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    columns = ["prompt", "chosen", "rejected"]
+    check_stops([
+        (lambda: reward_model.load_split(str(bad / "data.csv"), "train", columns),
+         "data.csv' is not a .json, .jsonl or .parquet file"),
+        (lambda: reward_model.tokenize_pairs(reward_model.load_split(str(bad / "empty_rejected.jsonl"), "train",
+                                                                     columns), tokenizer, reward_model.Args(), "train"),
+         "row 1 of split 'train' has an empty 'rejected'"),
+        (lambda: reward_model.check_model_folder(str(bad / "nothing"), "check --model-name-or-path"),
+         "no model folder at"),
+        (lambda: reward_model.check_model_folder(str(bad / "empty_folder"), "check --model-name-or-path"),
+         "holds no model (no config.json)"),
+        (lambda: reward_model.check_args(reward_model.Args(gradient_accumulation_steps=0)),
+         "--gradient-accumulation-steps must be at least 1, not 0"),
+        (lambda: reward_model.check_args(reward_model.Args(normalization_samples=1)),
+         "--normalization-samples must be at least 2"),
+        (lambda: reward_model.check_args(reward_model.Args(output_dir=str(bad / "a_file"))),
+         "a_file' is a file; name a folder"),
+    ])
     check_errors("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--output-dir", str(tmp_path)], [
         (["--rejected-column", "worse"], "has no column ['worse']"),
-        (["--dataset", str(bad / "data.csv")], "data.csv' is not a .json, .jsonl or .parquet file"),
-        (["--dataset", str(bad / "empty_rejected.jsonl"), "--train-split", "train", "--eval-split", "train"],
-         "row 1 of split 'train' has an empty 'rejected'"),
-        (["--model-name-or-path", str(bad / "nothing")], "no model folder at"),
-        (["--model-name-or-path", str(bad / "empty_folder")], "holds no model (no config.json)"),
         (["--model-name-or-path", str(bad / "pickle_only")],
          "has no model.safetensors; only safetensors weights are loaded"),
-        (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be at least 1, not 0"),
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
-        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
     ])
     result = run("reward_model.py", "--zero-stage", "4", check=False)
