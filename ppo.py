@@ -19,7 +19,6 @@ are off by default, each behind its flag.
 import contextlib
 import json
 import os
-import random
 import shutil
 import socket
 import time
@@ -69,6 +68,9 @@ class Args:
     """print a table of a few prompts, responses and scores every this many iterations (0: never)"""
     save_every: int = 0
     """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
+    snapshot_every: int = 0
+    """save the actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N every this many iterations and at
+    the last (0: never), for evaluate.py's picture of reward-model and gold scores along training"""
     resume: bool = False
     """continue from the latest complete checkpoint in OUTPUT_DIR/resume"""
 
@@ -106,14 +108,14 @@ class Args:
     model's (off by default, as in TRL)"""
 
     # PPO
-    num_ppo_epochs: int = 4
-    """passes of PPO updates over each rollout batch"""
+    num_ppo_epochs: int = 2
+    """passes of PPO updates over each rollout batch (TRL's default is 4; 2 keeps the toy run under 3 minutes)"""
     num_mini_batches: int = 2
     """optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches"""
     per_device_train_batch_size: int = 32
     """sequences per rank per forward pass, in the update (gradient accumulation fills a mini-batch) and in the
     rollout's scoring passes"""
-    actor_learning_rate: float = 6e-5
+    actor_learning_rate: float = 1e-4
     """actor learning rate, decayed linearly to 0 (the toy default; real models of 1B parameters want about 3e-6)"""
     critic_learning_rate: float = 1e-4
     """critic learning rate, decayed linearly to 0"""
@@ -130,7 +132,7 @@ class Args:
     kl_estimator: Literal["k1", "k3"] = "k1"
     """the per-token KL estimator of the penalty (see rlhf_math.kl_per_token)"""
     clip_score: float = 5.0
-    """the reward model's score is clipped to [-clip_score, clip_score]"""
+    """the normalized score is clipped to [-clip_score, clip_score] (in standard deviations of the SFT policy's scores)"""
     cliprange: float = 0.2
     """epsilon, PPO's clip range of the probability ratio"""
     cliprange_value: float = 0.2
@@ -143,6 +145,13 @@ class Args:
     """whiten the advantages over the rollout batch (--no-whiten-advantages for DeepSpeed-Chat's behaviour)"""
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the rollout batch, keeping their mean"""
+    whiten_across_ranks: bool = True
+    """whiten over the whole batch, all ranks together; --no-whiten-across-ranks whitens each rank's share on its own,
+    as TRL does (with few responses per rank that erases which of them was good)"""
+    loss_aggregation: Literal["token-mean", "micro-batch-mean"] = "token-mean"
+    """how the policy and value losses average over tokens: token-mean, every in-mask token of a mini-batch (all its
+    micro-batches, all ranks) weighs the same; micro-batch-mean, the mean over the micro-batches of each one's token
+    mean, as DeepSpeed-Chat and TRL do (a short micro-batch's tokens weigh more)"""
     lr_scheduler_type: Literal["linear", "constant"] = "linear"
     """the learning rates of actor and critic: decayed linearly to 0 over the run, or constant"""
 
@@ -398,12 +407,58 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, prompt_len - 1 : -1]
 
 
+def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                      temperature: float) -> torch.Tensor:
+    """log pi(a_t | s_t) of every response token, at the sampling temperature: [B, P + R] sequences -> [B, R]."""
+    logits = response_logits(model, sequences, attention_mask, prompt_len)
+    return rlhf_math.logprobs_from_logits(logits, sequences[:, prompt_len:], temperature)
+
+
 def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """A sequence classifier's scalar head applied at every position instead of only the last: [B, T] -> [B, T]."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=sequences, attention_mask=attention_mask,
                       position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
+
+
+def critic_values(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
+                  std: float) -> torch.Tensor:
+    """V(s_t) for every response token: the critic's head at position P - 1 + t, the last token of the state before
+    a_t, on the normalized reward scale ((output - mean) / std, as the scores). [B, P + R] -> [B, R]."""
+    return (head_at_every_position(model, sequences, attention_mask)[:, prompt_len - 1 : -1] - mean) / std
+
+
+def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
+                  std: float) -> torch.Tensor:
+    """The normalized score (r(x, y) - mean) / std of each prompt + response: the reward model's head at the last
+    in-mask response position (the EOS, or the last token of a response cut at the length limit), where
+    rlhf_math.per_token_rewards lands it. [B, P + R] -> [B]."""
+    token_scores = head_at_every_position(model, sequences, attention_mask)[:, prompt_len:]
+    last = attention_mask[:, prompt_len:].sum(dim=1) - 1
+    return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std
+
+
+def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each value (a scalar tensor) summed over all ranks, in one all_reduce, in float64."""
+    summed = torch.stack([value.double() for value in values.values()])
+    dist.all_reduce(summed)
+    return dict(zip(values, summed.tolist()))
+
+
+def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of x [B, R] over the in-mask positions of this rank's batch, or of every rank's
+    batch together (sums of x, x^2 and the count added over the ranks). (0, 1), which whitens nothing, when fewer
+    than two positions are in the mask."""
+    x = torch.where(mask.bool(), x.double(), 0.0)
+    moments = torch.stack([mask.sum().double(), x.sum(), (x**2).sum()])
+    if across_ranks:
+        dist.all_reduce(moments)
+    n, total, total_squares = moments
+    if n < 2:
+        return torch.zeros((), device=x.device), torch.ones((), device=x.device)
+    mean = total / n
+    return mean.float(), ((total_squares - n * mean**2).clamp(min=0) / (n - 1)).float()
 
 
 @contextlib.contextmanager
@@ -615,9 +670,8 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
         group["lr"] = lr
 
 
-if __name__ == "__main__":
-    args = tyro.cli(Args)
-    # Bad flags stop here, with a message that names them, before anything is loaded.
+def check_args(args: Args) -> None:
+    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
     for flag, value in [("--total-episodes", args.total_episodes),
                         ("--per-device-rollout-batch-size", args.per_device_rollout_batch_size),
                         ("--num-mini-batches", args.num_mini_batches),
@@ -640,7 +694,8 @@ if __name__ == "__main__":
     if args.target_kl is not None and not args.target_kl > 0:
         fail(f"--target-kl must be positive, not {args.target_kl}")
     for flag, value in [("--kl-coef", args.kl_coef), ("--sample-every", args.sample_every),
-                        ("--save-every", args.save_every), ("--actor-lora-dim", args.actor_lora_dim),
+                        ("--save-every", args.save_every), ("--snapshot-every", args.snapshot_every),
+                        ("--actor-lora-dim", args.actor_lora_dim),
                         ("--critic-lora-dim", args.critic_lora_dim), ("--unsup-coef", args.unsup_coef)]:
         if not value >= 0:
             fail(f"{flag} must not be negative, not {value}")
@@ -665,6 +720,11 @@ if __name__ == "__main__":
              "own LoRA layers, not peft's")
     if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
         fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
 
     # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
     if "RANK" not in os.environ:
@@ -806,12 +866,16 @@ if __name__ == "__main__":
         ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, ema_ds_config, args,
                           lora_dim=args.actor_lora_dim)
         update_ema(ema, actor, 0.0)
-    # Reward normalization (N+ detail 15): reward_model.py stored the mean score of the SFT data; subtracting it
-    # centres the scores at 0. The critic starts as a copy of the reward model, so its outputs get the same offset.
+    # Reward normalization (Ziegler et al. 2019): reward_model.py stored the mean and standard deviation of its scores
+    # on the SFT policy's responses; (score - reward_mean) / reward_std has mean 0 and std 1 where PPO starts. The
+    # critic starts as a copy of the reward model, so its outputs are mapped the same way, with its own config's values.
     reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
+    reward_std = getattr(reward.module.config, "reward_std", 1.0)
     critic_mean = getattr(critic.module.config, "reward_mean", 0.0)
-    if is_main and not hasattr(reward.module.config, "reward_mean"):
-        print("the reward model's config has no `reward_mean` (not saved by reward_model.py): scores are used as is")
+    critic_std = getattr(critic.module.config, "reward_std", 1.0)
+    if is_main and not hasattr(reward.module.config, "reward_std"):
+        print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
+              "are used unnormalized")
 
     # Sampling: plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled
     # distribution differ from the one whose log-probs we compute (no top-k, no top-p, no min_new_tokens, which
@@ -823,6 +887,9 @@ if __name__ == "__main__":
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         suppress_tokens=[tokenizer.pad_token_id],
     )
+    # transformers fills every field left unset here from the model's own generation_config.json (a repetition
+    # penalty, min_new_tokens, no_repeat_ngram_size, ...): this config replaces it, so nothing else is applied.
+    actor.module.generation_config = generation_config
     kl_coef = args.kl_coef
     start_iteration = 0
     if args.resume:
@@ -892,30 +959,25 @@ if __name__ == "__main__":
                 contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
 
                 # 3. Log-probs and values: forward passes of actor, reference and critic, one model at a time, in
-                # chunks of the micro-batch size.
-                # First log pi_theta(a_t|s_t) of each response token, at the sampling temperature.
+                # chunks of the micro-batch size. First log pi_theta(a_t|s_t), at the sampling temperature.
                 chunks = [slice(i, i + args.per_device_train_batch_size)
                           for i in range(0, len(sequences), args.per_device_train_batch_size)]
-                logprobs = torch.cat([rlhf_math.logprobs_from_logits(
-                    response_logits(actor.module, sequences[c], attention_mask[c], P), responses[c], args.temperature)
-                    for c in chunks])
+                logprobs = torch.cat([response_logprobs(actor.module, sequences[c], attention_mask[c], P,
+                                                        args.temperature) for c in chunks])
             # log pi_ref(a_t|s_t), the same way (with --only-optimize-lora: the actor with its adapters off).
             with gathered(reference, reference_stage == 3 and args.gather_weights_for_rollout), \
                     adapters_disabled(reference.module):
-                ref_logprobs = torch.cat([rlhf_math.logprobs_from_logits(
-                    response_logits(reference.module, sequences[c], attention_mask[c], P), responses[c],
-                    args.temperature) for c in chunks])
+                ref_logprobs = torch.cat([response_logprobs(reference.module, sequences[c], attention_mask[c], P,
+                                                            args.temperature) for c in chunks])
             # V(s_t) is the critic's output at the last token of the state, one position before a_t.
             with gathered(critic, args.critic_zero_stage == 3 and args.gather_weights_for_rollout):
-                values = torch.cat([head_at_every_position(critic.module, sequences[c], attention_mask[c])[:, P - 1 : -1]
-                                    for c in chunks]) - critic_mean
+                values = torch.cat([critic_values(critic.module, sequences[c], attention_mask[c], P, critic_mean,
+                                                  critic_std) for c in chunks])
             # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
-            # cut at max_new_tokens), the position where rlhf_math.per_token_rewards also lands it.
+            # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std.
             with gathered(reward, reward_stage == 3 and args.gather_weights_for_rollout):
-                token_scores = torch.cat([head_at_every_position(reward.module, sequences[c], attention_mask[c])[:, P:]
-                                          for c in chunks])
-            last = response_mask.sum(dim=1) - 1
-            scores = token_scores[torch.arange(len(sequences), device=device), last] - reward_mean
+                scores = torch.cat([reward_scores(reward.module, sequences[c], attention_mask[c], P, reward_mean,
+                                                  reward_std) for c in chunks])
             # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
             if args.missing_eos_penalty is not None:
                 scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
@@ -929,13 +991,14 @@ if __name__ == "__main__":
             # 6. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
             rewards, kl = rlhf_math.per_token_rewards(
                 scores, logprobs, ref_logprobs, update_mask, kl_coef, args.clip_score, args.kl_estimator)
+            if args.whiten_rewards:
+                rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False,
+                                                  stats=batch_mean_var(rewards, update_mask, args.whiten_across_ranks))
+            advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma, args.lam)
+            if args.whiten_advantages:
+                advantages = rlhf_math.masked_whiten(
+                    advantages, update_mask, stats=batch_mean_var(advantages, update_mask, args.whiten_across_ranks))
             if num_invalid < len(valid):
-                if args.whiten_rewards:
-                    rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False)
-                advantages, returns = rlhf_math.gae_advantages_and_returns(
-                    rewards, values, update_mask, args.gamma, args.lam)
-                if args.whiten_advantages:
-                    advantages = rlhf_math.masked_whiten(advantages, update_mask)
                 rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
                                advantages=advantages, returns=returns, mask=update_mask)
                 last_valid_rollout = (rollout, P)
@@ -950,107 +1013,142 @@ if __name__ == "__main__":
                 reused = True  # sampled by an older policy: its first ratio is not 1
         rollout_time = time.time() - rollout_start
 
-        # UPDATE: num_ppo_epochs passes over the batch, each split into num_mini_batches optimizer steps.
+        # UPDATE: num_ppo_epochs passes over the batch; each splits this rank's share into num_mini_batches
+        # mini-batches, one optimizer step each, made of gradient_accumulation_steps micro-batches.
         update_start = time.time()
-        stats = {k: [] for k in ["approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio",
-                                 "unsup_loss"]}
+        lr = actor.get_lr()[0]  # the rate of this iteration's first step
+        # Sums over this rank's in-mask tokens of every micro-batch of the iteration, for the token-mean metrics.
+        update_sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in [
+            "tokens", "pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio",
+            "micro_batches", "ratio_means", "ratio_means_squared", "unsup_loss"]}
         for epoch in range(args.num_ppo_epochs):
-            for micro_step, index in enumerate(
-                torch.randperm(args.per_device_rollout_batch_size, device=device).split(args.per_device_train_batch_size)
-            ):
-                mb = {k: v[index] for k, v in rollout.items()}
-                new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], P)
-                new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, P:], args.temperature)
-                pg_loss, pg_stats = rlhf_math.policy_loss(
-                    new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
-                new_values = head_at_every_position(critic.module, mb["sequences"], mb["attention_mask"])[:, P - 1 : -1]
-                vf_loss, vf_clipfrac = rlhf_math.value_loss(
-                    new_values - critic_mean, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
-                # Before the first step the policy is the one that sampled: in fp32 the ratio is exactly 1, bit for
-                # bit, on one rank or several, ZeRO-3 included. If not, the update's log-probs are not computed as the
-                # rollout's were (dropout on, another temperature, a nondeterministic kernel).
-                if epoch == 0 and micro_step == 0 and args.dtype == "fp32" and not reused:
-                    if pg_stats["ratio"].item() != 1.0 or pg_stats["approxkl"].item() != 0.0:
-                        fail(f"iteration {iteration}: the first PPO ratio is {pg_stats['ratio'].item()!r}, not exactly 1 "
-                             f"(approxkl {pg_stats['approxkl'].item():.2e}): the update's log-probs differ from the "
-                             "rollout's; is dropout on (--disable-dropout) or the model nondeterministic?")
-                for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:
-                    if not torch.isfinite(loss):
-                        fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise "
-                             "--kl-coef or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
-                actor_loss = pg_loss
-                if args.unsup_dataset is not None:
-                    # The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain
-                    # [log pi(x)], so the actor's loss adds gamma times the language-modelling loss of a micro-batch of
-                    # plain-text blocks, in the same backward pass and optimizer step as the policy loss.
-                    blocks = unsup_blocks[torch.randint(len(unsup_blocks), (args.per_device_train_batch_size,))]
-                    blocks = blocks.to(device)
-                    unsup_loss = actor.module(input_ids=blocks, labels=blocks, use_cache=False).loss
-                    if not torch.isfinite(unsup_loss):
-                        fail(f"iteration {iteration}: loss/unsup_avg is {unsup_loss.item()}; lower the learning rates")
-                    actor_loss = pg_loss + args.unsup_coef * unsup_loss
-                    stats["unsup_loss"].append(unsup_loss.detach())
-                actor.backward(actor_loss)
-                critic.backward(vf_loss)
-                with aligned_overflow(actor, critic, args.align_overflow):
-                    actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
-                    critic.step()
-                if args.enable_ema and (micro_step + 1) % args.gradient_accumulation_steps == 0:
+            mini_batches = torch.randperm(args.per_device_rollout_batch_size, device=device).split(
+                args.per_device_mini_batch_size)
+            # The in-mask tokens of each mini-batch on all ranks: with --loss-aggregation token-mean, each token's loss
+            # is divided by this count.
+            mini_batch_tokens = torch.stack([rollout["mask"][mini_batch].sum() for mini_batch in mini_batches]).float()
+            dist.all_reduce(mini_batch_tokens)
+            for mini_batch_index, mini_batch in enumerate(mini_batches):
+                for micro_batch in mini_batch.split(args.per_device_train_batch_size):
+                    mb = {k: v[micro_batch] for k, v in rollout.items()}
+                    mask = mb["mask"].bool()
+                    new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], P)
+                    new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, P:], args.temperature)
+                    pg_loss, pg_stats = rlhf_math.policy_loss(
+                        new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
+                    new_values = critic_values(critic.module, mb["sequences"], mb["attention_mask"], P, critic_mean,
+                                               critic_std)
+                    vf_loss, vf_clipfrac = rlhf_math.value_loss(
+                        new_values, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
+                    # Before the first optimizer step the policy is the one that sampled: in fp32 every log-prob
+                    # equals the rollout's, bit for bit, on one rank or several, ZeRO-3 included. If not, the update
+                    # computes them differently (dropout on, another temperature, a nondeterministic kernel).
+                    if epoch == 0 and mini_batch_index == 0 and args.dtype == "fp32" and not reused:
+                        if not torch.equal(new_logprobs[mask], mb["logprobs"][mask]):
+                            gap = (new_logprobs - mb["logprobs"])[mask].abs().max().item()
+                            fail(f"iteration {iteration}: before the first optimizer step the PPO ratio is not exactly "
+                                 f"1 (log-probs differ from the rollout's by up to {gap:.2e}): is dropout on "
+                                 "(--disable-dropout) or the model nondeterministic?")
+                    for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:
+                        if not torch.isfinite(loss):
+                            fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise "
+                                 "--kl-coef or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
+                    # Loss aggregation (README detail 38). DeepSpeed divides each micro-batch's loss by the
+                    # accumulation steps and averages the ranks' gradients: a micro-batch's token mean gets the weight
+                    # 1 / (micro-batches in the mini-batch, all ranks). token-mean reweighs it to its share of the
+                    # mini-batch's tokens, so that every token weighs the same however the mini-batch is split.
+                    num_tokens = mask.sum()
+                    weight = 1.0
+                    if args.loss_aggregation == "token-mean":
+                        weight = (num_tokens * args.gradient_accumulation_steps * args.world_size
+                                  / mini_batch_tokens[mini_batch_index].clamp(min=1))
+                    actor_loss = weight * pg_loss
+                    if args.unsup_dataset is not None:
+                        # The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain
+                        # [log pi(x)], so the actor's loss adds gamma times the language-modelling loss of a
+                        # micro-batch of plain-text blocks, in the same backward pass and optimizer step.
+                        blocks = unsup_blocks[torch.randint(len(unsup_blocks), (args.per_device_train_batch_size,))]
+                        blocks = blocks.to(device)
+                        unsup_loss = actor.module(input_ids=blocks, labels=blocks, use_cache=False).loss
+                        if not torch.isfinite(unsup_loss):
+                            fail(f"iteration {iteration}: loss/unsup_avg is {unsup_loss.item()}; lower the learning rates")
+                        actor_loss = actor_loss + args.unsup_coef * unsup_loss
+                        update_sums["unsup_loss"] += unsup_loss.detach()
+                    actor.backward(actor_loss)
+                    critic.backward(weight * vf_loss)
+                    with aligned_overflow(actor, critic, args.align_overflow):
+                        actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
+                        critic.step()
+                    # Token sums for the metrics: each token-mean statistic times its micro-batch's token count.
+                    with torch.no_grad():
+                        entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(new_logits, args.temperature),
+                                                        mb["mask"])
+                        for name, value in [("pg_loss", pg_loss), ("vf_loss", vf_loss), ("entropy", entropy),
+                                            ("approxkl", pg_stats["approxkl"]), ("clipfrac", pg_stats["clipfrac"]),
+                                            ("vf_clipfrac", vf_clipfrac), ("ratio", pg_stats["ratio"])]:
+                            update_sums[name] += value.detach() * num_tokens
+                        update_sums["tokens"] += num_tokens
+                        if num_tokens > 0:  # the spread of the micro-batches' mean ratios, for val/ratio_var
+                            update_sums["micro_batches"] += 1
+                            update_sums["ratio_means"] += pg_stats["ratio"]
+                            update_sums["ratio_means_squared"] += pg_stats["ratio"] ** 2
+                if args.enable_ema:
                     update_ema(ema, actor, args.ema_decay)  # after every actor optimizer step
-                with torch.no_grad():
-                    entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(new_logits, args.temperature), mb["mask"])
-                for name, value in [("approxkl", pg_stats["approxkl"]), ("clipfrac", pg_stats["clipfrac"]),
-                                    ("pg_loss", pg_loss.detach()), ("vf_loss", vf_loss.detach()),
-                                    ("vf_clipfrac", vf_clipfrac), ("entropy", entropy), ("ratio", pg_stats["ratio"])]:
-                    stats[name].append(value)
         update_time = time.time() - update_start
 
-        # LOGGING: TRL's metric names. Per-sequence sums are averaged over sequences, per-token statistics are
-        # means over real tokens; every figure is averaged over the ranks.
+        # LOGGING: TRL's metric names. Each figure is a mean over all ranks' responses or tokens (sums and counts
+        # are added over the ranks, never a mean of the ranks' means); objective/ is over the valid responses, whose
+        # scores and KL enter the rewards; the token statistics are over the update's in-mask tokens.
         with torch.no_grad():
-            mask = rollout["mask"]
-            kl_sum = kl.sum(dim=1)
-            ratios = torch.stack(stats["ratio"])
-            local = {
-                "objective/kl": kl_sum.mean(),
-                "objective/entropy": (-logprobs * response_mask).sum(dim=1).mean(),
-                "objective/non_score_reward": (-kl_coef * kl_sum).mean(),
-                "objective/rlhf_reward": (scores - kl_coef * kl_sum).mean(),
-                "objective/scores": scores.mean(),
-                "objective/scores_squared": (scores**2).mean(),  # turned into objective/scores_std below
-                "policy/approxkl_avg": torch.stack(stats["approxkl"]).mean(),
-                "policy/clipfrac_avg": torch.stack(stats["clipfrac"]).mean(),
-                "loss/policy_avg": torch.stack(stats["pg_loss"]).mean(),
-                "loss/value_avg": torch.stack(stats["vf_loss"]).mean(),
-                "val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean(),
-                "policy/entropy_avg": torch.stack(stats["entropy"]).mean(),
-                "val/ratio": ratios.mean(),
-                "val/ratio_var": ratios.var() if len(ratios) > 1 else torch.zeros((), device=device),
-                "val/num_eos_tokens": contains_eos.sum().float(),
-                "val/response_length": response_mask.sum(dim=1).float().mean(),
-                "val/num_invalid": torch.tensor(float(num_invalid), device=device),
-            }
-            if args.unsup_dataset is not None:
-                local["loss/unsup_avg"] = torch.stack(stats["unsup_loss"]).mean()
-            summed = torch.stack([v.float() for v in local.values()])
-            dist.all_reduce(summed)
-            metrics = dict(zip(local, (summed / args.world_size).tolist()))
-        scores_variance = metrics.pop("objective/scores_squared") - metrics["objective/scores"] ** 2
-        metrics["objective/scores_std"] = max(scores_variance, 0.0) ** 0.5
-        metrics["val/num_eos_tokens"] *= args.world_size  # a count over all ranks, not a mean
-        metrics["val/num_invalid"] *= args.world_size
-        metrics["objective/kl_coef"] = kl_coef
-        metrics["lr"] = actor.get_lr()[0]
-        metrics["episode"] = (iteration + 1) * args.batch_size
-        metrics["eps"] = (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time)
-        metrics["time/rollout"] = rollout_time
-        metrics["time/generation"] = generation_time
-        metrics["time/update"] = update_time
-        # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, DeepSpeed
-        # reports the process's peak resident memory for both).
-        metrics["memory/max_allocated_gb"] = get_accelerator().max_memory_allocated() / 2**30
-        metrics["memory/max_reserved_gb"] = get_accelerator().max_memory_reserved() / 2**30
-        if args.target_kl is not None:
+            kl_sum = kl.sum(dim=1)  # 0 on invalid rows
+            valid_scores = torch.where(valid, scores, 0.0)
+            sums = sum_over_ranks({
+                **update_sums,
+                "responses": torch.tensor(float(len(valid)), device=device), "valid": valid.sum(),
+                "kl": kl_sum.sum(), "scores": valid_scores.sum(), "scores_squared": (valid_scores**2).sum(),
+                "scores_clipped": (valid & (scores.abs() >= args.clip_score)).sum(),
+                "sequence_entropy": torch.where(update_mask.bool(), -logprobs, 0.0).sum(),
+                "eos": contains_eos.sum(), "length": response_mask.sum(),
+            })
+        per_response, per_token = max(sums["valid"], 1), max(sums["tokens"], 1)
+        mean_score = sums["scores"] / per_response
+        metrics = {
+            "objective/kl": sums["kl"] / per_response,
+            "objective/entropy": sums["sequence_entropy"] / per_response,
+            "objective/non_score_reward": -kl_coef * sums["kl"] / per_response,
+            "objective/rlhf_reward": mean_score - kl_coef * sums["kl"] / per_response,
+            "objective/scores": mean_score,
+            "objective/scores_std": max(sums["scores_squared"] / per_response - mean_score**2, 0.0) ** 0.5,
+            "objective/scores_clipfrac": sums["scores_clipped"] / per_response,
+            "objective/kl_coef": kl_coef,
+            "policy/approxkl_avg": sums["approxkl"] / per_token,
+            "policy/clipfrac_avg": sums["clipfrac"] / per_token,
+            "policy/entropy_avg": sums["entropy"] / per_token,
+            "loss/policy_avg": sums["pg_loss"] / per_token,
+            "loss/value_avg": sums["vf_loss"] / per_token,
+            "val/clipfrac_avg": sums["vf_clipfrac"] / per_token,
+            "val/ratio": sums["ratio"] / per_token,
+            # Unbiased variance of the micro-batches' mean ratios, over every micro-batch of every rank.
+            "val/ratio_var": max(sums["ratio_means_squared"] - sums["ratio_means"] ** 2 / sums["micro_batches"], 0.0)
+            / (sums["micro_batches"] - 1) if sums["micro_batches"] > 1 else 0.0,
+            "val/num_eos_tokens": sums["eos"],
+            "val/response_length": sums["length"] / sums["responses"],
+            "val/num_invalid": sums["responses"] - sums["valid"],
+            "lr": lr,
+            "episode": (iteration + 1) * args.batch_size,
+            "eps": (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time),
+            "time/rollout": rollout_time,
+            "time/generation": generation_time,
+            "time/update": update_time,
+            # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, DeepSpeed
+            # reports the process's peak resident memory for both).
+            "memory/max_allocated_gb": get_accelerator().max_memory_allocated() / 2**30,
+            "memory/max_reserved_gb": get_accelerator().max_memory_reserved() / 2**30,
+        }
+        if args.unsup_dataset is not None:  # one micro-batch of blocks per PPO micro-batch, all of the same length
+            metrics["loss/unsup_avg"] = sums["unsup_loss"] / (
+                args.world_size * args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps)
+        if args.target_kl is not None and sums["valid"] > 0:
             # Ziegler et al.'s adaptive controller: beta grows when the KL overshoots the target, shrinks below it.
             kl_coef = rlhf_math.adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, args.kl_horizon,
                                                  args.batch_size)
@@ -1072,6 +1170,9 @@ if __name__ == "__main__":
 
         # A checkpoint for --resume: written to a temporary folder, renamed into place once complete, and only then
         # named in `latest`; a run killed at any moment leaves the previous checkpoint whole.
+        if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
+            save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "snapshots", f"iteration_{iteration + 1}"),
+                           is_main)
         if args.save_every and (iteration + 1) % args.save_every == 0:
             path = os.path.join(checkpoint_dir, f"iteration_{iteration + 1}")
             state = {"iteration": iteration + 1, "kl_coef": kl_coef,

@@ -89,13 +89,20 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return variance
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Whitening over the masked positions: (x - mean) / sqrt(var + eps); masked-out positions become 0.
 
     With shift_mean=False the mean is added back, so only the scale changes (used for rewards, whose sign matters).
-    x, mask [B, R] -> [B, R].
+    mean and var are the masked mean and unbiased variance of x, or `stats` = (mean, var) when given (those of a
+    larger batch that x is part of, e.g. all ranks' together). x, mask [B, R] -> [B, R].
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean, var = stats if stats is not None else (masked_mean(x, mask), masked_var(x, mask))
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

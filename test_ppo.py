@@ -17,12 +17,13 @@ import types
 import pytest
 import safetensors.torch
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
+                          GPT2ForSequenceClassification, GPT2LMHeadModel)
 
 import ppo
 import rlhf_math
 from ppo import response_logits
-from test_sft_and_reward_model import ENV, FEW_STEPS, bad, check_errors, error_of, run  # noqa: F401 (bad is a fixture)
+from test_sft_and_reward_model import ENV, FEW_STEPS, bad, check_errors, check_stops, error_of, run  # noqa: F401 (bad is a fixture)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
@@ -35,7 +36,8 @@ def stages(tmp_path_factory):
     """SFT and reward model checkpoints, a few steps each."""
     root = tmp_path_factory.mktemp("stages")
     run("sft.py", *FEW_STEPS, "--output-dir", str(root / "sft"))
-    run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(root / "sft"), "--output-dir", str(root / "rm"))
+    run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(root / "sft"), "--output-dir", str(root / "rm"),
+        "--normalization-samples", "64")
     return ["--actor-model-name-or-path", str(root / "sft"), "--reward-model-name-or-path", str(root / "rm")]
 
 
@@ -98,27 +100,119 @@ def test_generation_and_forward_log_probs_agree():
     torch.testing.assert_close(forward_logprobs, sampled_logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_two_ranks_zero0(stages, tmp_path):
-    out = tmp_path / "z0"
-    result, exp_name = run_ppo(stages, out, "--total-episodes", "32", ranks=2)
-    check_metrics(read_metrics(exp_name), 2)
-    check_actor_trained(out, stages)
+def tiny_models(architecture, tokenizer):
+    """A causal LM and a 1-label classifier: the toy task's Llama (rotary positions), or a random GPT-2 (absolute
+    position embeddings: a forward pass without the right position ids gives other outputs)."""
+    torch.manual_seed(0)
+    if architecture == "llama":
+        return (AutoModelForCausalLM.from_pretrained("toy_task/base_model"),
+                AutoModelForSequenceClassification.from_pretrained("toy_task/base_model", num_labels=1))
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    return GPT2LMHeadModel(config), GPT2ForSequenceClassification(config)
 
 
-def test_k3_estimator(stages, tmp_path):
-    result, exp_name = run_ppo(stages, tmp_path / "k3", "--total-episodes", "16", "--kl-estimator", "k3")
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_logprobs_values_and_scores_of_a_padded_batch_are_those_of_each_row_alone(architecture):
+    """ppo.py's forward passes over a left-padded batch of prompt + response (ending in EOS, then pad) give, at every
+    response position, what the model gives for that row alone, unpadded: log pi(a_t|s_t) and V(s_t) from the outputs
+    one position before a_t, and the score at the EOS, which here is the classifier's own pooled output."""
+    tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
+    policy, classifier = (model.eval() for model in tiny_models(architecture, tokenizer))
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = [("I watched this film last night and", " the story was good."),
+            ("We saw it, and", " although the plot was dull, the ending was truly superb."),
+            ("My sister recommended this romantic comedy, and I have to say", " the cast was bad.")]
+    prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in rows]
+    responses = [tokenizer(response)["input_ids"] + [eos] for _, response in rows]
+    P, R = max(map(len, prompts)), max(map(len, responses)) + 2  # every response ends in pad
+    sequences = torch.tensor([[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)])
+    attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r))
+                                   for p, r in zip(prompts, responses)])
+    with torch.no_grad():
+        logprobs = ppo.response_logprobs(policy, sequences, attention_mask, P, temperature=0.7)
+        values = ppo.critic_values(classifier, sequences, attention_mask, P, mean=0.5, std=2.0)
+        scores = ppo.reward_scores(classifier, sequences, attention_mask, P, mean=0.5, std=2.0)
+        for i, (prompt, response) in enumerate(zip(prompts, responses)):
+            alone = torch.tensor([prompt + response])
+            p, r = len(prompt), len(response)
+            # the logits at p - 1 + t predict response token t
+            expected = torch.log_softmax(policy(alone).logits[0, p - 1 : -1] / 0.7, dim=-1)[torch.arange(r), response]
+            torch.testing.assert_close(logprobs[i, :r], expected, rtol=1e-5, atol=1e-5)
+            hidden = getattr(classifier, classifier.base_model_prefix)(alone).last_hidden_state
+            head = classifier.score(hidden)[0, :, 0]
+            torch.testing.assert_close(values[i, :r], (head[p - 1 : -1] - 0.5) / 2.0, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(scores[i], (classifier(alone).logits[0, 0] - 0.5) / 2.0, rtol=1e-5, atol=1e-5)
+
+
+def test_one_rank_and_two_ranks_agree(stages, tmp_path):
+    """The same 8 responses, trained on 1 rank in one micro-batch, on 1 rank in 4 micro-batches, and on 2 ranks in 2
+    micro-batches each, give the same metrics and the same critic: every metric is a mean over all ranks' responses
+    or tokens (not a mean of the ranks' means), and with --loss-aggregation token-mean every token of a mini-batch
+    weighs the same however the mini-batch is split. At temperature 1e-5 sampling is deterministic, so every layout
+    draws the same responses; they differ in length, so a mean of micro-batch means would differ."""
+    # Prompts whose responses differ in length (the few-step SFT model answers most toy prompts alike).
+    prompts = ["I watched this film last night and the plot was", "We saw it, and although the",
+               "My sister recommended this, and in short the cast", "I gave this small indie film a chance and",
+               "I rewatched this old classic, and all in all, the music",
+               "After all the hype I bought a ticket, and the twist was not",
+               "We picked this musical for our movie night, and the dialogue seemed",
+               "I took my kids to this family adventure, and the ending felt like"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+    flags = ["--dataset", str(data), "--total-episodes", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1",
+             "--temperature", "1e-5", "--max-new-tokens", "24", "--critic-learning-rate", "1e-3"]
+    layouts = {"one micro-batch": (None, ["--per-device-rollout-batch-size", "8", "--per-device-train-batch-size", "8"]),
+               "four micro-batches": (None, ["--per-device-rollout-batch-size", "8",
+                                             "--per-device-train-batch-size", "2"]),
+               "two ranks": (2, ["--per-device-rollout-batch-size", "4", "--per-device-train-batch-size", "2"])}
+    metrics, critics = {}, {}
+    for name, (ranks, layout) in layouts.items():
+        out = tmp_path / name.replace(" ", "_")
+        _, exp_name = run_ppo(stages, out, *flags, *layout, ranks=ranks)
+        (metrics[name],) = read_metrics(exp_name)
+        critics[name] = saved_weights(out / "critic")
+    lengths = metrics["one micro-batch"]["val/response_length"]
+    assert metrics["one micro-batch"]["val/num_eos_tokens"] > 0 and lengths != round(lengths)  # lengths differ
+    start = saved_weights(stages[3])
+    assert any(not torch.equal(critics["one micro-batch"][n], start[n]) for n in start)  # the critic did train
+    for name in ["four micro-batches", "two ranks"]:
+        for metric in ["objective/scores", "objective/scores_std", "objective/kl", "val/response_length",
+                       "val/num_eos_tokens", "loss/value_avg", "val/clipfrac_avg", "loss/policy_avg", "val/ratio"]:
+            assert metrics[name][metric] == pytest.approx(metrics["one micro-batch"][metric], rel=1e-4, abs=1e-5), \
+                (name, metric)
+        for n, weight in critics["one micro-batch"].items():
+            torch.testing.assert_close(critics[name][n], weight, rtol=0, atol=2e-5, msg=lambda m: f"{name} {n}: {m}")
+
+
+def test_adaptive_kl_whitened_rewards_temperature_and_discount(stages, tmp_path):
+    """The paths off the defaults: Ziegler's adaptive KL controller (beta moves by the formula, from the logged KL),
+    reward whitening, a sampling temperature other than 1 (the first ratio is still exactly 1: ppo.py checks it),
+    gamma below 1 and the k3 KL estimator (never negative)."""
+    result, exp_name = run_ppo(stages, tmp_path / "paths", "--total-episodes", "24", "--target-kl", "0.5",
+                               "--kl-horizon", "100", "--whiten-rewards", "--temperature", "0.7", "--gamma", "0.9",
+                               "--kl-estimator", "k3")
     metrics = read_metrics(exp_name)
-    check_metrics(metrics, 2)
+    check_metrics(metrics, 3)
     assert all(m["objective/kl"] >= 0 for m in metrics)  # k3 is never negative, per token
+    assert metrics[0]["objective/kl_coef"] == 0.1
+    for before, after in zip(metrics, metrics[1:]):
+        # beta' = beta (1 + clip(KL / 0.5 - 1, -0.2, 0.2) x 8 / 100)
+        error = min(max(before["objective/kl"] / 0.5 - 1, -0.2), 0.2)
+        assert after["objective/kl_coef"] == pytest.approx(before["objective/kl_coef"] * (1 + error * 8 / 100))
+    assert metrics[-1]["objective/kl_coef"] != 0.1
 
 
 def test_missing_eos_penalty(stages, tmp_path):
-    # With 2 new tokens almost no response reaches EOS; those score -1 in place of the reward model's score.
-    result, exp_name = run_ppo(stages, tmp_path / "eos", "--total-episodes", "16", "--max-new-tokens", "2",
+    # One new token: a response that is a bare EOS is invalid (no real token), so every valid response lacks an EOS
+    # and scores -1 in place of the reward model's score.
+    result, exp_name = run_ppo(stages, tmp_path / "eos", "--total-episodes", "16", "--max-new-tokens", "1",
                                "--missing-eos-penalty", "1.0")
-    for m in read_metrics(exp_name):
-        if m["val/num_eos_tokens"] == 0:
-            assert m["objective/scores"] == pytest.approx(-1.0)
+    metrics = read_metrics(exp_name)
+    check_metrics(metrics, 2)
+    for m in metrics:
+        assert m["objective/scores"] == -1.0 and m["objective/scores_std"] == 0.0
 
 
 def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
@@ -205,23 +299,41 @@ def test_first_ratio_check_catches_dropout(stages, tmp_path):
     (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
     flags = ["--total-episodes", "16", "--actor-model-name-or-path", str(model_dir)]
     result, _ = run_ppo(stages, tmp_path / "dropout", *flags, "--no-disable-dropout", check=False)
-    assert "iteration 0: the first PPO ratio is" in error_of(result)
+    assert "iteration 0: before the first optimizer step the PPO ratio is not exactly 1" in error_of(result)
     run_ppo(stages, tmp_path / "no_dropout", *flags)  # dropout disabled, as by default: the ratio is exactly 1
 
 
-def test_a_half_precision_checkpoint_trains_in_fp32(stages, tmp_path):
+def write_surprising_generation_config(folder):
+    """A generation_config.json of the kind hub models carry: with it, transformers would sample at least 12 new
+    tokens (no EOS before), penalise repeated tokens and forbid repeated bigrams."""
+    (folder / "generation_config.json").write_text(json.dumps({
+        "min_new_tokens": 12, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "top_k": 5}))
+
+
+def test_an_actor_folder_in_half_precision_with_its_own_generation_config(stages, tmp_path):
     # transformers keeps a checkpoint's own dtype by default; --dtype fp32 (the default) must still train in fp32.
     half = tmp_path / "sft_fp16"
     AutoModelForCausalLM.from_pretrained(stages[1], dtype=torch.float16).save_pretrained(half)
     AutoTokenizer.from_pretrained(stages[1]).save_pretrained(half)
+    # ppo.py samples exactly its configured distribution: the folder's generation config does not apply, so responses
+    # may stop with EOS before the 12th token (with min_new_tokens 12 and 12 new tokens at most, none could).
+    write_surprising_generation_config(half)
     _, exp_name = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--actor-model-name-or-path", str(half))
-    read_metrics(exp_name)
+    metrics = read_metrics(exp_name)
+    assert sum(m["val/num_eos_tokens"] for m in metrics) > 0
     assert {w.dtype for w in saved_weights(tmp_path / "out" / "actor").values()} == {torch.float32}
 
 
-def test_a_batch_of_invalid_generations_with_nothing_to_reuse(stages, tmp_path):
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--min-response-tokens", "1000", check=False)
-    assert "iteration 0: no response has --min-response-tokens 1000 real tokens" in error_of(result)
+def test_invalid_rows_in_the_first_micro_batch_pass_the_ratio_check(stages, tmp_path):
+    """Micro-batches of one response, some too short to train on: a first micro-batch that holds only an invalid row
+    has no token to check, and the exact first-ratio check looks at the in-mask tokens only (it once read the empty
+    mean, 0, as the ratio and stopped a valid run)."""
+    result, exp_name = run_ppo(stages, tmp_path, "--total-episodes", "32", "--num-mini-batches", "1",
+                               "--per-device-train-batch-size", "1", "--num-ppo-epochs", "1",
+                               "--max-new-tokens", "24", "--min-response-tokens", "17")
+    metrics = read_metrics(exp_name)
+    check_metrics(metrics, 4)
+    assert all(0 < m["val/num_invalid"] < 8 for m in metrics)
 
 
 def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
@@ -231,44 +343,57 @@ def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
 
 
 def test_ppo_bad_input(stages, bad, tmp_path):
+    check_stops([(lambda overrides=overrides: ppo.check_args(ppo.Args(**overrides)), message) for overrides, message in [
+        ({"total_episodes": 0}, "--total-episodes must be at least 1, not 0"),
+        ({"num_mini_batches": 0}, "--num-mini-batches must be at least 1, not 0"),
+        ({"num_ppo_epochs": 0}, "--num-ppo-epochs must be at least 1, not 0"),
+        ({"target_kl": 0.0}, "--target-kl must be positive, not 0.0"),
+        ({"kl_coef": -0.1}, "--kl-coef must not be negative, not -0.1"),
+        ({"gamma": 2.0}, "--gamma must be between 0 and 1, not 2.0"),
+        ({"missing_eos_penalty": 10.0}, "--missing-eos-penalty 10.0 must be in (0, --clip-score 5.0]"),
+        ({"output_dir": str(bad / "a_file")}, "a_file' is a file; name a folder"),
+        ({"ema_decay": 1.5}, "--ema-decay must be between 0 and 1, not 1.5"),
+        ({"only_optimize_lora": True}, "--only-optimize-lora needs the actor's adapters"),
+        ({"align_overflow": True}, "--align-overflow is for --dtype fp16"),
+        ({"inference_tp_size": 2}, "--inference-tp-size above 1 needs --enable-hybrid-engine"),
+    ]])
+    check_stops([
+        (lambda: ppo.load_split(str(bad / "data.csv"), "train", "prompt", "--dataset", "--train-split"),
+         "data.csv' is not a .json, .jsonl or .parquet file"),
+        (lambda: ppo.load_split("toy_task/data", "validation", "prompt", "--dataset", "--train-split"),
+         "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
+        (lambda: ppo.load_split(str(tmp_path / "missing.txt"), "train", "text", "--unsup-dataset",
+                                "--unsup-dataset-config", extensions=(".txt", ".json", ".jsonl", ".parquet")),
+         "no data set at"),
+        (lambda: ppo.load_split(str(bad / "data.csv"), "train", "text", "--unsup-dataset", "--unsup-dataset-config",
+                                extensions=(".txt", ".json", ".jsonl", ".parquet")),
+         "is not a .txt, .json, .jsonl or .parquet file"),
+        (lambda: ppo.require_model_folder(str(bad / "empty_folder"), "--actor-model-name-or-path", "sft.py"),
+         "holds no model (no config.json); run sft.py first or check --actor-model-name-or-path"),
+        (lambda: ppo.require_model_folder(str(bad / "pickle_only"), "--reward-model-name-or-path", "reward_model.py"),
+         "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
+        (lambda: ppo.require_model_folder(str(tmp_path / "missing"), "--reward-model-name-or-path", "reward_model.py"),
+         "no model folder at"),
+    ])
     check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16", "--output-dir", str(tmp_path)], [
         (["--total-episodes", "20"], "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8"),
         (["--per-device-train-batch-size", "3"], "--per-device-train-batch-size: 4 is not divisible by 3"),
-        (["--total-episodes", "0"], "--total-episodes must be at least 1, not 0"),
-        (["--num-mini-batches", "0"], "--num-mini-batches must be at least 1, not 0"),
-        (["--num-ppo-epochs", "0"], "--num-ppo-epochs must be at least 1, not 0"),
         (["--temperature", "0"], "--temperature must be positive, not 0.0"),
-        (["--target-kl", "0"], "--target-kl must be positive, not 0.0"),
-        (["--kl-coef", "-0.1"], "--kl-coef must not be negative, not -0.1"),
-        (["--gamma", "2"], "--gamma must be between 0 and 1, not 2.0"),
-        (["--missing-eos-penalty", "10"], "--missing-eos-penalty 10.0 must be in (0, --clip-score 5.0]"),
         (["--max-new-tokens", "200"], "--max-new-tokens 200 is longer than the model's 128 positions"),
-        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
         (["--prompt-column", "promt"], "has no column 'promt'; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
-        (["--dataset", str(bad / "data.csv")], "data.csv' is not a .json, .jsonl or .parquet file"),
-        (["--train-split", "validation"], "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
         (["--dataset", str(bad / "empty_prompt.jsonl")], "row 1 of split 'train' has an empty 'prompt'"),
         (["--max-prompt-len", "2"], "no prompt of split 'train' fits --max-prompt-len 2; raise it"),
-        (["--actor-model-name-or-path", str(bad / "empty_folder")],
-         "holds no model (no config.json); run sft.py first or check --actor-model-name-or-path"),
         (["--actor-model-name-or-path", str(bad / "pickle_only")],
          "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
-        (["--reward-model-name-or-path", str(bad / "pickle_only")], "has no model.safetensors"),
-        (["--reward-model-name-or-path", str(tmp_path / "missing")], "no model folder at"),
         (["--critic-model-name-or-path", str(bad / "no_weights")],
          "has no model weights (model.safetensors); run reward_model.py first or check --critic-model-name-or-path"),
         (["--resume"], "--resume: no complete checkpoint"),
-        (["--ema-decay", "1.5"], "--ema-decay must be between 0 and 1, not 1.5"),
-        (["--only-optimize-lora"], "--only-optimize-lora needs the actor's adapters"),
         (["--actor-lora-dim", "4", "--lora-target-modules", "nothing_matches"],
          "--lora-target-modules 'nothing_matches'"),
-        (["--unsup-dataset", str(tmp_path / "missing.txt")], "no data set at"),
         (["--unsup-dataset", "toy_task/data/test.jsonl"], "has no column 'text'; its columns are"),
-        (["--unsup-dataset", str(bad / "data.csv")], "is not a .txt, .json, .jsonl or .parquet file"),
-        (["--align-overflow"], "--align-overflow is for --dtype fp16"),
         (["--enable-hybrid-engine"], "--enable-hybrid-engine needs a GPU"),
-        (["--inference-tp-size", "2"], "--inference-tp-size above 1 needs --enable-hybrid-engine"),
+        (["--min-response-tokens", "1000"], "iteration 0: no response has --min-response-tokens 1000 real tokens"),
     ])
     result = run("ppo.py", "--actor-zero-stage", "4", check=False)
     assert "invalid choice '4' for argument '--actor-zero-stage'" in result.stderr
@@ -286,21 +411,31 @@ def test_reward_model_with_another_tokenizer(stages, tmp_path):
 
 
 def test_evaluate(stages, tmp_path):
-    """evaluate.py compares the SFT and PPO policies on held-out prompts and draws the training curves."""
+    """evaluate.py compares the SFT and PPO policies on held-out prompts, by the reward model and by the gold rule,
+    and draws the training curves and, from the run's snapshots, the over-optimisation picture."""
     out = tmp_path / "ppo"
-    _, exp_name = run_ppo(stages, out, "--total-episodes", "16")
+    _, exp_name = run_ppo(stages, out, "--total-episodes", "16", "--snapshot-every", "1")
+    assert sorted(os.listdir(out / "snapshots")) == ["iteration_1", "iteration_2"]
     metrics_file = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")[0]
-    flags = ["--sft-model", stages[1], "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
+    sft = tmp_path / "sft"  # the SFT model, with a generation config that evaluate.py must not apply
+    shutil.copytree(stages[1], sft)
+    write_surprising_generation_config(sft)
+    flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
              "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12", "--metrics-file", metrics_file,
-             "--output-dir", str(tmp_path / "eval")]
+             "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
     result = run("evaluate.py", *flags)
-    assert "win rate vs SFT" in result.stdout
+    assert "win rate of PPO over SFT, by the gold rule" in result.stdout
     summary = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
-    assert summary["prompts"] == 40 and 0 <= summary["win_rate_ppo_over_sft"] <= 1
+    assert summary["prompts"] == 40
+    for name in ["win_rate", "gold_win_rate"]:
+        assert 0 <= summary["ppo"][name] <= 1
     for policy in ["sft", "ppo"]:
-        assert all(math.isfinite(value) for value in summary[policy].values())
-        assert 1 <= summary[policy]["mean_length"] <= 12  # --max-new-tokens of FEW_ITERATIONS
-    assert (tmp_path / "eval" / "ppo_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert 0 <= summary[policy]["parse_rate"] <= 1 and math.isfinite(summary[policy]["mean_score"])
+        assert 1 <= summary[policy]["mean_length"] <= 12  # --max-new-tokens
+    assert summary["sft"]["mean_length"] < 12  # some responses stop early: min_new_tokens 12 was not applied
+    assert [p["label"] for p in summary["overoptimization"]] == ["SFT", "it 1", "it 2"]
+    for picture in ["ppo_training.png", "overoptimization.png"]:
+        assert (tmp_path / "eval" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     flags[flags.index("--ppo-model") + 1] = str(tmp_path / "missing")
     result = run("evaluate.py", *flags, check=False)

@@ -117,6 +117,11 @@ def test_masked_whiten_by_hand():
     assert_close(M.masked_whiten(x, mask, eps=0.0), t([-1, 0, 0], [1, 0, 0]))
     # shift_mean=False adds the mean 3 back: -1 + 3 = 2, 0 + 3 = 3, 1 + 3 = 4.
     assert_close(M.masked_whiten(x, mask, shift_mean=False, eps=0.0), t([2, 3, 0], [4, 0, 0]))
+    # With the statistics of a larger batch (mean 1, variance 16, standard deviation 4) in place of its own:
+    # (1 - 1)/4 = 0, (3 - 1)/4 = .5, (5 - 1)/4 = 1; without the shift, + 1: 1, 1.5, 2.
+    stats = (torch.tensor(1.0), torch.tensor(16.0))
+    assert_close(M.masked_whiten(x, mask, eps=0.0, stats=stats), t([0, 0.5, 0], [1, 0, 0]))
+    assert_close(M.masked_whiten(x, mask, shift_mean=False, eps=0.0, stats=stats), t([1, 1.5, 0], [2, 0, 0]))
 
 
 def test_masked_whiten_gives_mean_0_variance_1_or_keeps_the_mean():
