@@ -17,8 +17,8 @@ step "stage 1: supervised fine-tuning -> checkpoints/sft"
 python sft.py
 step "stage 2: reward model -> checkpoints/reward_model"
 python reward_model.py
-step "stage 3: PPO -> checkpoints/ppo/actor"
-python ppo.py
-step "evaluation: SFT and PPO on the held-out prompts"
+step "stage 3: PPO -> checkpoints/ppo/actor, with a snapshot of the actor every 16 iterations"
+python ppo.py --snapshot-every 16
+step "evaluation: SFT and PPO on the held-out prompts, by the reward model and by the task's gold rule"
 python evaluate.py
 echo; echo "demo done in $((SECONDS - start)) s"
