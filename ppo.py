@@ -108,14 +108,15 @@ class Args:
     model's (off by default, as in TRL)"""
 
     # PPO
-    num_ppo_epochs: int = 2
-    """passes of PPO updates over each rollout batch (TRL's default is 4; 2 keeps the toy run under 3 minutes)"""
-    num_mini_batches: int = 2
+    num_ppo_epochs: int = 1
+    """passes of PPO updates over each rollout batch (TRL's default is 4; one pass of 4 mini-batches keeps the toy run
+    under 2 minutes)"""
+    num_mini_batches: int = 4
     """optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches"""
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int = 16
     """sequences per rank per forward pass, in the update (gradient accumulation fills a mini-batch) and in the
     rollout's scoring passes"""
-    actor_learning_rate: float = 1e-4
+    actor_learning_rate: float = 2e-4
     """actor learning rate, decayed linearly to 0 (the toy default; real models of 1B parameters want about 3e-6)"""
     critic_learning_rate: float = 1e-4
     """critic learning rate, decayed linearly to 0"""

@@ -477,6 +477,8 @@ if __name__ == "__main__":
     policy_path = args.policy_model_name_or_path or args.model_name_or_path
     policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, use_safetensors=True,
                                                   trust_remote_code=args.trust_remote_code)
+    if added_pad_token:  # the pad token added above must exist for the policy too (it pads the prompts)
+        policy.resize_token_embeddings(len(tokenizer))
     if args.zero_stage == 3:  # partitioned like the reward model (HfDeepSpeedConfig is still alive)
         policy_engine, *_ = deepspeed.initialize(model=policy.requires_grad_(False), config={
             "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,
@@ -508,7 +510,8 @@ if __name__ == "__main__":
             scored = right_pad(sequences, tokenizer.pad_token_id)
             scores = sequence_scores(engine.module, scored["input_ids"].to(device),
                                      scored["attention_mask"].to(device)).double()
-            moments += torch.stack([torch.tensor(float(len(scores)), device=device), scores.sum(), (scores**2).sum()])
+            moments += torch.stack([torch.tensor(float(len(scores)), dtype=torch.float64, device=device),
+                                    scores.sum(), (scores**2).sum()])
     dist.all_reduce(moments)
     n, total, total_squares = moments.tolist()
     engine.module.config.reward_mean = total / n
