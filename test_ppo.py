@@ -179,7 +179,8 @@ def test_one_rank_and_two_ranks_agree(stages, tmp_path):
     assert any(not torch.equal(critics["one micro-batch"][n], start[n]) for n in start)  # the critic did train
     for name in ["four micro-batches", "two ranks"]:
         for metric in ["objective/scores", "objective/scores_std", "objective/kl", "val/response_length",
-                       "val/num_eos_tokens", "loss/value_avg", "val/clipfrac_avg", "loss/policy_avg", "val/ratio"]:
+                       "val/num_eos_tokens", "loss/value_avg", "val/clipfrac_avg", "loss/policy_avg", "val/ratio",
+                       "policy/entropy_avg"]:
             assert metrics[name][metric] == pytest.approx(metrics["one micro-batch"][metric], rel=1e-4, abs=1e-5), \
                 (name, metric)
         for n, weight in critics["one micro-batch"].items():
