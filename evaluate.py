@@ -25,10 +25,10 @@ import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import rlhf_math
-from ppo import response_logprobs, reward_scores
+from ppo import response_logprobs, reward_scores, sampling_config
 from toy_task.gold_judge import gold_score
 
 
@@ -265,14 +265,9 @@ if __name__ == "__main__":
     if len(prompts) < len(data):
         print(f"left out {len(data) - len(prompts)} of {len(data)} prompts longer than --max-prompt-len")
 
-    # ppo.py's sampling settings: plain multinomial sampling at the temperature, pad suppressed. The models' own
-    # generation_config.json is replaced, so that nothing in it (a repetition penalty, min_new_tokens) changes what
-    # is sampled.
-    generation_config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        suppress_tokens=[tokenizer.pad_token_id],
-    )
+    # ppo.py's sampling settings. The models' own generation_config.json is replaced, so that nothing in it (a
+    # repetition penalty, min_new_tokens) changes what is sampled.
+    generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     sft.generation_config = ppo.generation_config = generation_config
     judged = (tokenizer, prompts, generation_config, args, reward_mean, reward_std, device)
     results = {"sft": answer(sft, sft, reward, *judged)}

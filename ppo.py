@@ -408,6 +408,17 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, prompt_len - 1 : -1]
 
 
+def sampling_config(tokenizer, max_new_tokens: int, temperature: float) -> GenerationConfig:
+    """Plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled distribution
+    differ from the one whose log-probs are computed (no top-k, no top-p, no min_new_tokens, which would suppress
+    EOS). The pad token is suppressed: a young policy does sample it, and a pad inside a response breaks every mask
+    built from padding. (The log-probs keep pad in their softmax; the SFT model never learned to produce pad, so its
+    probability, and the difference, is negligible.)"""
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
+                            top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            suppress_tokens=[tokenizer.pad_token_id])
+
+
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                       temperature: float) -> torch.Tensor:
     """log pi(a_t | s_t) of every response token, at the sampling temperature: [B, P + R] sequences -> [B, R]."""
@@ -878,18 +889,10 @@ if __name__ == "__main__":
         print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
               "are used unnormalized")
 
-    # Sampling: plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled
-    # distribution differ from the one whose log-probs we compute (no top-k, no top-p, no min_new_tokens, which
-    # would suppress EOS). The pad token is suppressed: a young policy does sample it, and a pad inside a response
-    # breaks every mask built from padding. (The log-probs keep pad in their softmax; the SFT model never learned to
-    # produce pad, so its probability, and the difference, is negligible.)
-    generation_config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        suppress_tokens=[tokenizer.pad_token_id],
-    )
-    # transformers fills every field left unset here from the model's own generation_config.json (a repetition
+    # Sampling exactly the distribution whose log-probs PPO trains on (see sampling_config). transformers fills every
+    # field left unset in a config passed to generate from the model's own generation_config.json (a repetition
     # penalty, min_new_tokens, no_repeat_ngram_size, ...): this config replaces it, so nothing else is applied.
+    generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     actor.module.generation_config = generation_config
     kl_coef = args.kl_coef
     start_iteration = 0
@@ -1169,11 +1172,12 @@ if __name__ == "__main__":
                                   tokenizer.decode(responses[i], skip_special_tokens=True), f"{scores[i].item():+.2f}")
                 Console().print(table)
 
-        # A checkpoint for --resume: written to a temporary folder, renamed into place once complete, and only then
-        # named in `latest`; a run killed at any moment leaves the previous checkpoint whole.
+        # A snapshot of the actor, a Hugging Face folder, for evaluate.py's over-optimisation picture.
         if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
             save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "snapshots", f"iteration_{iteration + 1}"),
                            is_main)
+        # A checkpoint for --resume: written to a temporary folder, renamed into place once complete, and only then
+        # named in `latest`; a run killed at any moment leaves the previous checkpoint whole.
         if args.save_every and (iteration + 1) % args.save_every == 0:
             path = os.path.join(checkpoint_dir, f"iteration_{iteration + 1}")
             state = {"iteration": iteration + 1, "kl_coef": kl_coef,

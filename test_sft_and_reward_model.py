@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          GenerationConfig)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+import evaluate
 import ppo
 import reward_model
-import rlhf_math
 import sft
 
 BASE_MODEL = "toy_task/base_model"
@@ -104,24 +103,16 @@ def test_sft_two_ranks_zero3(tmp_path):
     check_sft_folder(str(tmp_path / "sft"))
 
 
-@torch.no_grad()
 def normalized_scores_of_samples(policy_path, reward_path, prompts, seed):
     """(score - reward_mean) / reward_std of one response per prompt, sampled from the policy as ppo.py samples."""
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
     reward = AutoModelForSequenceClassification.from_pretrained(reward_path).eval()
-    generation_config = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                         suppress_tokens=[tokenizer.pad_token_id])
-    torch.manual_seed(seed)
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    P = batch["input_ids"].shape[1]
-    responses = policy.generate(**batch, generation_config=generation_config)[:, P:]
-    response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
-    responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
-    sequences = torch.cat([batch["input_ids"], responses], dim=1)
-    attention_mask = torch.cat([batch["attention_mask"], response_mask], dim=1)
-    return ppo.reward_scores(reward, sequences, attention_mask, P, reward.config.reward_mean, reward.config.reward_std)
+    result = evaluate.answer(policy, policy, reward, tokenizer, tokenizer(prompts)["input_ids"],
+                             ppo.sampling_config(tokenizer, max_new_tokens=24, temperature=1.0),
+                             evaluate.Args(seed=seed, batch_size=len(prompts), gold_judge=False),
+                             reward.config.reward_mean, reward.config.reward_std, torch.device("cpu"))
+    return torch.tensor(result["scores"])
 
 
 def test_reward_model_one_rank(sft_checkpoint, tmp_path):
