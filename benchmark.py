@@ -15,6 +15,7 @@ Prints one table and writes it as JSON (--output-json) for comparison across com
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,13 @@ def build_models(args: Args, folder: str) -> None:
             f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in ids.tolist())}) + "\n")
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now: two runs side by side must not both take the launcher's default."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
     exp_name = f"benchmark_{ranks}ranks_zero{stage}"
@@ -121,7 +129,8 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
         "--exp-name", exp_name, "--output-dir", os.path.join(folder, exp_name),
     ]
     if ranks > 1:
-        command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks)] + command
+        command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+                   *command]
     env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore"}
     if ranks > 1 and not torch.cuda.is_available():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))  # the cores shared between the ranks
@@ -209,17 +218,12 @@ def model_memory(args: Args, folder: str) -> list[dict]:
     """Bytes of parameters, gradients and optimizer state of ppo.py's four engines, built by ppo.py's own functions
     (one rank, ZeRO-0, fp32: the optimizer is then torch's own AdamW, whose state is all there is) and measured after
     one training step of actor and critic (gradients just before it)."""
-    import socket
-
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     import ppo
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     ppo_args = ppo.Args(dtype="fp32", per_device_train_batch_size=4, gradient_accumulation_steps=1,
                         num_iterations=1)

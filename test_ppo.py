@@ -23,7 +23,9 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 import ppo
 import rlhf_math
 from ppo import response_logits
-from test_sft_and_reward_model import ENV, FEW_STEPS, bad, check_errors, check_stops, error_of, run  # noqa: F401 (bad is a fixture)
+# bad is a pytest fixture, used by name
+from test_sft_and_reward_model import (ENV, FEW_STEPS, bad, check_errors, check_stops, error_of,  # noqa: F401
+                                       free_port, launcher, run)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
@@ -235,7 +237,7 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     command = [sys.executable, "ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out),
                "--exp-name", exp_name] + (["--resume"] if before else [])
     if ranks:
-        command[1:2] = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "ppo.py"]
+        command[0:2] = [*launcher(ranks), "ppo.py"]
     process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                start_new_session=True)
     deadline = time.time() + 300
@@ -621,7 +623,7 @@ def test_align_overflow_skips_both_steps(tmp_path):
     script = tmp_path / "align_overflow.py"
     script.write_text(ALIGN_OVERFLOW_SCRIPT)
     for mode, skipped in [("on", "actor skipped 2, critic skipped 2"), ("off", "actor skipped 1, critic skipped 1")]:
-        result = subprocess.run([sys.executable, str(script), str(29600 + len(mode)), mode], capture_output=True,
+        result = subprocess.run([sys.executable, str(script), str(free_port()), mode], capture_output=True,
                                 text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         lines = [line for line in result.stdout.splitlines() if line.startswith("zero ")]

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -30,10 +31,24 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_DISABLE_PROGRESS_BARS": "1
        "PYTHONWARNINGS": "ignore::FutureWarning", "TQDM_DISABLE": "1"}
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launcher's --master_port: two suites running side by side must
+    not both take the launcher's default, 29500."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(ranks):
+    """The deepspeed launcher's command for `ranks` ranks on this machine, on a free port."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+            str(free_port())]
+
+
 def run(script, *flags, ranks=None, check=True):
     """`python script flags`, or `deepspeed --num_gpus ranks script flags`; returns the finished process."""
     if ranks:
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), script, *flags]
+        command = [*launcher(ranks), script, *flags]
     else:
         command = [sys.executable, script, *flags]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
