@@ -235,8 +235,8 @@ def model_memory(args: Args, folder: str) -> list[dict]:
         ("critic", AutoModelForSequenceClassification, "reward", True),
         ("reward", AutoModelForSequenceClassification, "reward", False),
     ]:
-        engine = ppo.init_engine(model_class, os.path.join(folder, path), ppo.deepspeed_config(0, trained, False, ppo_args),
-                                 ppo_args, 1e-6 if trained else None)
+        engine = ppo.init_engine(model_class, os.path.join(folder, path), f"the benchmark's {path} model",
+                                 ppo.deepspeed_config(0, trained, False, ppo_args), ppo_args, 1e-6 if trained else None)
         if trained:
             engine.backward(engine(input_ids=batch).logits.float().mean())
         else:

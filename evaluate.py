@@ -15,12 +15,15 @@ policy along training: where the proxy keeps rising and the truth stops, PPO is 
     python evaluate.py                 # after sft.py, reward_model.py and ppo.py on the bundled toy task
 """
 
+import difflib
 import glob
 import json
+import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import datasets
+import safetensors
 import torch
 import tyro
 from rich.console import Console
@@ -66,9 +69,11 @@ class Args:
     num_samples: int = 5
     """side-by-side samples to print"""
     metrics_file: str | None = None
-    """the metrics.jsonl of the PPO run to plot; the newest runs/ppo__*/metrics.jsonl when not set"""
+    """the metrics.jsonl to plot; the one of the run that trained --ppo-model (named in its training_run.json) when
+    not set"""
     output_dir: str = "runs"
-    """where the pictures (ppo_training.png, overoptimization.png) and the figures (evaluation.json) are written"""
+    """where the figures (evaluation.json) and the pictures (ppo_training.png, overoptimization.png) are written; a
+    writable folder that is not, and does not hold, a model or the data set read here"""
     trust_remote_code: bool = False
     """allow models and tokenizers whose code comes with their hub repository"""
 
@@ -78,11 +83,213 @@ def fail(message: str) -> None:
     raise SystemExit(f"evaluate.py: error: {message}")
 
 
-def load_model(model_class, path: str, flag: str, args: Args, device: torch.device):
-    """A trained model folder, in eval mode (dropout off); safetensors only."""
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        fail(f"no model.safetensors in {path!r}; train it first or check {flag}")
-    model = model_class.from_pretrained(path, use_safetensors=True, trust_remote_code=args.trust_remote_code)
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs: the same checks as the training stages, so that a wrong flag or damaged file stops with one line that says
+# what to fix. Copied from sft.py on purpose (each stage reads on its own); check_finite_weights is the plain version,
+# without deepspeed.
+# ---------------------------------------------------------------------------------------------------------------
+def is_hub_name(path: str) -> bool:
+    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
+    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
+    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
+    first = path.split("/")[0]
+    here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
+    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
+                or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
+
+
+def check_model_folder(path: str, hint: str) -> None:
+    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
+    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
+    if is_hub_name(path):
+        return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
+    if not os.path.isdir(path):
+        fail(f"no model folder at {path!r}; {hint}")
+    files = os.listdir(path)
+    if "config.json" not in files:
+        fail(f"{path!r} holds no model (no config.json); {hint}")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        fail(f"{path!r} has a damaged config.json ({error}); {hint}")
+    if not any(f.endswith(".safetensors") for f in files):
+        if any(f.endswith(".bin") for f in files):
+            fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
+                 "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
+        fail(f"{path!r} has no model weights (model.safetensors); {hint}")
+
+
+def load_pretrained(model_class, path: str, hint: str, allowed_missing: tuple = (), **kwargs):
+    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
+    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
+    allowed_missing: name prefixes that may start fresh (the reward model's new score head)."""
+    try:
+        model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, safetensors.SafetensorError) as error:
+        fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
+    missing = sorted(name for name in info["missing_keys"] if not name.startswith(allowed_missing))
+    unexpected = sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
+             f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
+    return model
+
+
+def check_finite_weights(model, name: str) -> None:
+    """Stop if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling."""
+    bad = [param_name for param_name, param in model.named_parameters() if not torch.isfinite(param).all()]
+    if bad:
+        fail(f"the {name} has weights that are not finite (inf or nan) in {len(bad)} tensors ({', '.join(bad[:3])}); "
+             "its checkpoint is damaged: train it again")
+
+
+def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
+    """AutoTokenizer.from_pretrained, or a one-line error that says what to fix."""
+    if not is_hub_name(path) and not os.path.isdir(path):
+        fail(f"no tokenizer folder at {path!r}; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
+
+
+def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset:
+    """One split of a hub data set or of local .json/.jsonl/.parquet files, checked for the columns we need."""
+    if not os.path.exists(dataset) and not is_hub_name(dataset):
+        fail(f"no data set at {dataset!r}; check --dataset")
+    if os.path.isfile(dataset) and not dataset.endswith((".json", ".jsonl", ".parquet")):
+        fail(f"--dataset {dataset!r} is not a .json, .jsonl or .parquet file")
+    if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
+        fail(f"--dataset {dataset!r} is an empty file")
+    try:
+        if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
+            kind = "parquet" if dataset.endswith(".parquet") else "json"
+            data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
+        else:
+            data = datasets.load_dataset(dataset, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        error = error.__cause__ or error  # the generation error's cause says which row is malformed
+        if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
+            with open(dataset, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except ValueError as bad:
+                        fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
+        fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
+             "--dataset (a UTF-8 .json, .jsonl or .parquet file) and the split flags")
+    missing = [c for c in columns if c not in data.column_names]
+    if missing:
+        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
+    try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
+        data.select_columns(columns).data.validate(full=True)
+    except ValueError as error:
+        fail(f"data set {dataset!r} split {split!r} is not UTF-8 text ({error}); save it as UTF-8")
+    return data
+
+
+def text_of(row: dict, i: int, column: str, split: str) -> str:
+    """The text in one cell of the data, or an error that names the row, the column and what is wrong with it."""
+    value = row[column]
+    problem = ("empty (null)" if value is None else f"a value of type {type(value).__name__}, not text"
+               if not isinstance(value, str) else "empty text" if not value.strip() else None)
+    if problem:
+        fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
+    return value
+
+
+RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
+
+
+def read_record(folder: str) -> dict | None:
+    """The training_run.json of a folder, or None if it has none that reads."""
+    try:
+        with open(os.path.join(folder, RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_json(path: str, value) -> None:
+    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def check_finite_args(args) -> None:
+    """Every float flag must be a number: inf or nan slip through `> 0` checks."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
+
+
+
+def check_args(args: Args) -> None:
+    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
+    check_finite_args(args)
+    for name in ("batch_size", "max_new_tokens", "max_prompt_len", "snapshot_prompts"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.num_samples < 0:
+        fail(f"--num-samples must not be negative, not {args.num_samples}")
+    if not args.temperature > 0:
+        fail(f"--temperature must be positive, not {args.temperature}")
+    if not 0 <= args.seed < 2**32:
+        fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
+
+
+def check_output_dir(args: Args) -> None:
+    """OUTPUT_DIR must not be, nor hold, an input (evaluation.json written into a data folder would be read as data
+    next time), and must be writable: checked before any model loads, so that an evaluation never runs to the end to
+    find that it cannot be saved."""
+    real = os.path.realpath(args.output_dir)
+    for name in ("sft_model", "ppo_model", "reward_model", "dataset"):
+        path = getattr(args, name)
+        if os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
+            fail(f"--output-dir {args.output_dir!r} is or holds --{name.replace('_', '-')} {path!r}, which this run "
+                 "reads; name another folder")
+    probe = os.path.join(args.output_dir, f".probe_{os.getpid()}")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        fail(f"cannot write to --output-dir {args.output_dir!r} ({error.strerror}); name a folder you can write")
+
+
+def training_metrics_file(args: Args) -> str | None:
+    """The metrics.jsonl to plot: --metrics-file, or the one that --ppo-model's training_run.json names (ppo.py
+    writes it into every actor folder it saves). None, with a line that says why, when there is none: the evaluation
+    goes on without the training picture."""
+    if args.metrics_file is not None:
+        if not os.path.isfile(args.metrics_file):
+            fail(f"no metrics file at {args.metrics_file!r}; check --metrics-file")
+        return args.metrics_file
+    record = read_record(args.ppo_model)
+    if record is None:
+        print(f"no training picture: {args.ppo_model!r} has no {RECORD} that names the run that trained it (set "
+              "--metrics-file)")
+        return None
+    metrics_file = record.get("metrics_file")
+    if not isinstance(metrics_file, str) or not os.path.isfile(metrics_file):
+        print(f"no training picture: the metrics file {metrics_file!r} named in {os.path.join(args.ppo_model, RECORD)} "
+              "does not exist (set --metrics-file)")
+        return None
+    return metrics_file
+
+
+def load_model(model_class, path: str, hint: str, args: Args, device: torch.device):
+    """A checked model folder (check_model_folder), loaded with every weight used and finite, in eval mode (dropout
+    off)."""
+    model = load_pretrained(model_class, path, hint, trust_remote_code=args.trust_remote_code)
+    check_finite_weights(model, f"model {path!r}")
     return model.eval().to(device)
 
 
@@ -170,15 +377,40 @@ def summarize(result: dict[str, list], baseline: dict[str, list] | None, gold_ju
     return summary
 
 
+METRICS_KEYS = ("iteration", "episode", "objective/scores", "objective/rlhf_reward", "objective/kl")
+
+
+def read_metrics(metrics_file: str) -> list[dict]:
+    """The rows of ppo.py's metrics.jsonl that plot_training needs, one per iteration in order. A line that is not a
+    JSON object with those keys is skipped and counted (a run killed mid-write leaves a partial last line); where an
+    iteration repeats (an older run resumed from a checkpoint), its last row is kept."""
+    by_iteration, skipped = {}, 0
+    with open(metrics_file, errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict) and all(isinstance(row.get(key), (int, float)) for key in METRICS_KEYS):
+                by_iteration[row["iteration"]] = row
+            elif line.strip():
+                skipped += 1
+    if skipped:
+        print(f"skipped {skipped} lines of {metrics_file} that are not whole metrics rows")
+    return [by_iteration[iteration] for iteration in sorted(by_iteration)]
+
+
 def plot_training(metrics_file: str, path: str) -> None:
     """Reward (score and score minus KL penalty) and KL per episode, read from ppo.py's metrics.jsonl."""
+    rows = read_metrics(metrics_file)
+    if not rows:
+        print(f"no training picture: {metrics_file} holds no metrics rows")
+        return
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    with open(metrics_file) as f:
-        rows = [json.loads(line) for line in f]
     episodes = [row["episode"] for row in rows]
     fig, (reward_axis, kl_axis) = plt.subplots(1, 2, figsize=(10, 4))
     reward_axis.plot(episodes, [row["objective/scores"] for row in rows], label="objective/scores")
@@ -191,6 +423,7 @@ def plot_training(metrics_file: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    print(f"wrote {path} (from {metrics_file})")
 
 
 def plot_overoptimization(points: list[dict], path: str) -> None:
@@ -224,46 +457,43 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    check_args(args)
+    check_output_dir(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.metrics_file is None:
-        candidates = glob.glob(os.path.join("runs", "ppo__*", "metrics.jsonl"))
-        if not candidates:
-            fail("no runs/ppo__*/metrics.jsonl to plot; run ppo.py first or set --metrics-file")
-        args.metrics_file = max(candidates, key=os.path.getmtime)
-    elif not os.path.isfile(args.metrics_file):
-        fail(f"no metrics file at {args.metrics_file!r}; check --metrics-file")
     if args.snapshots_dir is None:
         args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
-    snapshots = sorted(glob.glob(os.path.join(args.snapshots_dir, "iteration_*")),
-                       key=lambda path: int(path.rsplit("_", 1)[1]))
+    # iteration_N only: a save cut short leaves iteration_N.tmp.
+    snapshots = sorted([path for path in glob.glob(os.path.join(args.snapshots_dir, "iteration_*"))
+                        if path.rsplit("_", 1)[1].isdigit()], key=lambda path: int(path.rsplit("_", 1)[1]))
+    models = [(args.sft_model, "check --sft-model"), (args.ppo_model, "check --ppo-model"),
+              (args.reward_model, "check --reward-model")] + [(path, "check --snapshots-dir") for path in snapshots]
+    for path, hint in models:
+        check_model_folder(path, hint)
+    args.metrics_file = training_metrics_file(args)
 
-    sft = load_model(AutoModelForCausalLM, args.sft_model, "--sft-model", args, device)
-    ppo = load_model(AutoModelForCausalLM, args.ppo_model, "--ppo-model", args, device)
-    reward = load_model(AutoModelForSequenceClassification, args.reward_model, "--reward-model", args, device)
-    reward_mean = getattr(reward.config, "reward_mean", 0.0)
-    reward_std = getattr(reward.config, "reward_std", 1.0)
-    tokenizer = AutoTokenizer.from_pretrained(args.sft_model, padding_side="left",
-                                              trust_remote_code=args.trust_remote_code)
+    # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
+    tokenizer = load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
+    tokenizer.padding_side = "left"
     for path, flag in [(args.ppo_model, "--ppo-model"), (args.reward_model, "--reward-model")]:
-        if AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        if load_tokenizer(path, f"check {flag}", args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
             fail(f"{path!r} has another tokenizer than the SFT model {args.sft_model!r}; check {flag}")
-
-    if os.path.isfile(args.dataset):
-        kind = "parquet" if args.dataset.endswith(".parquet") else "json"
-        data = datasets.load_dataset(kind, data_files={args.split.split("[")[0]: args.dataset}, split=args.split)
-    else:
-        try:
-            data = datasets.load_dataset(args.dataset, split=args.split)
-        except (FileNotFoundError, ValueError) as error:
-            fail(f"cannot load split {args.split!r} of data set {args.dataset!r} ({error}); check --dataset")
-    if args.prompt_column not in data.column_names:
-        fail(f"data set {args.dataset!r} has no column {args.prompt_column!r}; its columns are {data.column_names}")
-    prompts = [ids for ids in tokenizer(list(data[args.prompt_column]))["input_ids"]
+    data = load_split(args.dataset, args.split, [args.prompt_column])
+    if len(data) == 0:
+        fail(f"split {args.split!r} of data set {args.dataset!r} has no rows; check --dataset and --split")
+    texts = [text_of(row, i, args.prompt_column, args.split) for i, row in enumerate(data)]
+    # split_special_tokens: data text that spells a special token ("<|endoftext|>") stays text, as in the stages.
+    prompts = [ids for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
                if 0 < len(ids) <= args.max_prompt_len]
     if not prompts:
         fail(f"no prompt of split {args.split!r} fits --max-prompt-len {args.max_prompt_len}")
     if len(prompts) < len(data):
         print(f"left out {len(data) - len(prompts)} of {len(data)} prompts longer than --max-prompt-len")
+
+    sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
+    ppo = load_model(AutoModelForCausalLM, args.ppo_model, "check --ppo-model", args, device)
+    reward = load_model(AutoModelForSequenceClassification, args.reward_model, "check --reward-model", args, device)
+    reward_mean = getattr(reward.config, "reward_mean", 0.0)
+    reward_std = getattr(reward.config, "reward_std", 1.0)
 
     # ppo.py's sampling settings. The models' own generation_config.json is replaced, so that nothing in it (a
     # repetition penalty, min_new_tokens) changes what is sampled.
@@ -305,10 +535,12 @@ if __name__ == "__main__":
                         label(results["ppo"], i))
     Console().print(table, samples)
 
-    os.makedirs(args.output_dir, exist_ok=True)
-    picture = os.path.join(args.output_dir, "ppo_training.png")
-    plot_training(args.metrics_file, picture)
-    print(f"wrote {picture} (from {args.metrics_file})")
+    # The figures are saved before any picture is drawn, so that a failure in plotting never loses them.
+    evaluation_file = os.path.join(args.output_dir, "evaluation.json")
+    write_json(evaluation_file, summary)
+    print(f"wrote {evaluation_file}")
+    if args.metrics_file is not None:
+        plot_training(args.metrics_file, os.path.join(args.output_dir, "ppo_training.png"))
 
     # The over-optimisation picture: every snapshot answers the first snapshot_prompts prompts, against the SFT policy.
     if snapshots and args.gold_judge:
@@ -316,7 +548,7 @@ if __name__ == "__main__":
         sft_few = answer(sft, sft, reward, tokenizer, few, generation_config, args, reward_mean, reward_std, device)
         points = [{"label": "SFT", **summarize(sft_few, sft_few, gold_judge=True)}]
         for path in snapshots:
-            policy = load_model(AutoModelForCausalLM, path, "--snapshots-dir", args, device)
+            policy = load_model(AutoModelForCausalLM, path, "check --snapshots-dir", args, device)
             policy.generation_config = generation_config
             result = answer(policy, sft, reward, tokenizer, few, generation_config, args, reward_mean, reward_std,
                             device)
@@ -326,12 +558,11 @@ if __name__ == "__main__":
                   f"{points[-1]['mean_score']:+.2f}, gold {points[-1]['mean_gold_score']:+.2f}, gold win rate "
                   f"{points[-1]['gold_win_rate']:.3f}")
         summary["overoptimization"] = points
+        write_json(evaluation_file, summary)
+        print(f"wrote {evaluation_file}, with the snapshots' figures")
         picture = os.path.join(args.output_dir, "overoptimization.png")
         plot_overoptimization(points, picture)
         print(f"wrote {picture} ({len(snapshots)} snapshots from {args.snapshots_dir})")
     elif args.gold_judge:
         print(f"no snapshots in {args.snapshots_dir}: run ppo.py with --snapshot-every N for the over-optimisation "
               "picture")
-    with open(os.path.join(args.output_dir, "evaluation.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(f"wrote {os.path.join(args.output_dir, 'evaluation.json')}")

@@ -16,13 +16,20 @@ are off by default, each behind its flag.
     deepspeed --num_gpus 2 ppo.py --actor-zero-stage 3     # the same, on 2 ranks, the actor under ZeRO-3
 """
 
+import atexit
 import contextlib
+import difflib
 import json
+import math
 import os
+import re
 import shutil
+import signal
 import socket
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import datasets
@@ -59,7 +66,11 @@ class Args:
     seed: int = 1
     """seed of the experiment (prompt order, sampling)"""
     output_dir: str = "checkpoints/ppo"
-    """where the trained actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/)"""
+    """where the trained actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/); a
+    new or empty folder, or one that ppo.py wrote before"""
+    overwrite: bool = False
+    """write into a non-empty --output-dir that ppo.py did not write (files of the same names are replaced, nothing
+    else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they are deleted)"""
     track: bool = False
     """log to Weights & Biases (tensorboard logs and metrics.jsonl are always written to runs/RUN_NAME/)"""
     wandb_project_name: str = "ppo-rlhf"
@@ -72,7 +83,13 @@ class Args:
     """save the actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N every this many iterations and at
     the last (0: never), for evaluate.py's picture of reward-model and gold scores along training"""
     resume: bool = False
-    """continue from the latest complete checkpoint in OUTPUT_DIR/resume"""
+    """continue the unfinished run in OUTPUT_DIR from its latest complete checkpoint (or, if that one is damaged, the
+    one before), with the settings it started with: a changed setting is refused, except --save-every,
+    --sample-every, --snapshot-every, --track, --wandb-project-name, --actor-zero-stage, --critic-zero-stage,
+    --offload, --offload-reference-model, --offload-reward-model, --gather-weights-for-rollout,
+    --actor-gradient-checkpointing, --critic-gradient-checkpointing, --release-inference-cache,
+    --unpin-actor-parameters and --tp-gather-partition-size, which change how the run is saved, logged or laid out
+    in memory, not what it computes"""
 
     # Models and data
     actor_model_name_or_path: str = "checkpoints/sft"
@@ -250,26 +267,63 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 def is_hub_name(path: str) -> bool:
     """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
-    The stages' own outputs (checkpoints/...) are local, even before the stage that writes them has run."""
+    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
+    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
+    first = path.split("/")[0]
+    here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
     return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
-                or os.path.isdir(path.split("/")[0]))
+                or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
 
 
-def require_model_folder(path: str, flag: str, stage: str) -> None:
-    """A local model folder must hold a config and safetensors weights, checked before anything is loaded: pickle
-    files (pytorch_model.bin) are never loaded, since unpickling a file runs any code it holds."""
+def check_model_folder(path: str, hint: str) -> None:
+    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
+    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
     if is_hub_name(path):
-        return
+        return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
     if not os.path.isdir(path):
-        fail(f"no model folder at {path!r}; run {stage} first or check {flag}")
+        fail(f"no model folder at {path!r}; {hint}")
     files = os.listdir(path)
     if "config.json" not in files:
-        fail(f"{path!r} holds no model (no config.json); run {stage} first or check {flag}")
+        fail(f"{path!r} holds no model (no config.json); {hint}")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        fail(f"{path!r} has a damaged config.json ({error}); {hint}")
     if not any(f.endswith(".safetensors") for f in files):
         if any(f.endswith(".bin") for f in files):
             fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
                  "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
-        fail(f"{path!r} has no model weights (model.safetensors); run {stage} first or check {flag}")
+        fail(f"{path!r} has no model weights (model.safetensors); {hint}")
+
+
+def load_pretrained(model_class, path: str, hint: str, allowed_missing: tuple = (), **kwargs):
+    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
+    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
+    allowed_missing: name prefixes that may start fresh (the reward model's new score head)."""
+    try:
+        model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, safetensors.SafetensorError) as error:
+        fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
+    missing = sorted(name for name in info["missing_keys"] if not name.startswith(allowed_missing))
+    unexpected = sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
+             f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
+    return model
+
+
+def check_finite_weights(model, name: str) -> None:
+    """Stop before training if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling
+    or as a NaN loss. Under ZeRO-3 each parameter is gathered in turn (every rank takes part)."""
+    bad = []
+    for param_name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters(param):  # does nothing to a parameter that is not partitioned
+            if not torch.isfinite(param).all():
+                bad.append(param_name)
+    if bad:
+        fail(f"the {name} has weights that are not finite (inf or nan) in {len(bad)} tensors ({', '.join(bad[:3])}); "
+             "its checkpoint is damaged: train it again")
 
 
 def load_tokenizer(path: str, flag: str, **kwargs):
@@ -298,10 +352,31 @@ def load_split(dataset: str, split: str, column: str, flag: str, split_flag: str
             data = datasets.load_dataset(dataset, config, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
         error = error.__cause__ or error  # the generation error's cause says which row is malformed
+        if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
+            with open(dataset, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except ValueError as bad:
+                        fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
         fail(f"cannot load split {split!r} of data set {dataset!r} ({error}); check {flag} and {split_flag}")
     if column not in data.column_names:
         fail(f"data set {dataset!r} has no column {column!r}; its columns are {data.column_names}")
+    try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
+        data.select_columns([column]).data.validate(full=True)
+    except ValueError as error:
+        fail(f"data set {dataset!r} split {split!r} is not UTF-8 text ({error}); save it as UTF-8")
     return data
+
+
+def text_of(row: dict, i: int, column: str, split: str) -> str:
+    """The text in one cell of the data, or an error that names the row, the column and what is wrong with it."""
+    value = row[column]
+    problem = ("empty (null)" if value is None else f"a value of type {type(value).__name__}, not text"
+               if not isinstance(value, str) else "empty text" if not value.strip() else None)
+    if problem:
+        fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
+    return value
 
 
 def deepspeed_config(stage: int, trained: bool, offload: bool, args: Args) -> dict:
@@ -344,11 +419,11 @@ def add_lora(model, lora_dim: int, args: Args):
     return model
 
 
-def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_rate: float | None = None,
+def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, learning_rate: float | None = None,
                 gradient_checkpointing: bool = False, lora_dim: int = 0, lora_learning_rate: float = 0.0):
     """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a learning-rate schedule when a
     learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward, EMA). With
-    lora_dim > 0 it gets LoRA adapters first."""
+    lora_dim > 0 it gets LoRA adapters first. Every weight must load, and be finite."""
     # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -360,8 +435,9 @@ def init_engine(model_class, path: str, ds_config: dict, args: Args, learning_ra
     # transformers would otherwise keep an fp16 checkpoint in fp16 in an fp32 run.
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
         else torch.float32
-    model = model_class.from_pretrained(path, config=config, dtype=dtype, use_safetensors=True,
-                                        trust_remote_code=args.trust_remote_code)
+    model = load_pretrained(model_class, path, f"check {flag}", config=config, dtype=dtype,
+                            trust_remote_code=args.trust_remote_code)
+    check_finite_weights(model, f"model {path!r} ({flag})")
     if lora_dim:
         model = add_lora(model, lora_dim, args)
     if learning_rate is None:
@@ -581,20 +657,25 @@ def aligned_overflow(actor, critic, enabled: bool):
             delattr(obj, name)
 
 
-def save_hf_folder(engine, tokenizer, path: str, is_main: bool) -> None:
-    """An ordinary Hugging Face folder (safetensors + tokenizer), with any LoRA adapters merged into the weights.
-    Under ZeRO-3 the full weights are gathered first (every rank takes part); written to a temporary folder and
-    renamed, so a checkpoint is never half-written."""
+def save_hf_folder(engine, tokenizer, path: str, is_main: bool, record: dict) -> None:
+    """An ordinary Hugging Face folder (safetensors, tokenizer, training_run.json), with any LoRA adapters merged into
+    the weights. Under ZeRO-3 the full weights are gathered first (every rank takes part); written to a temporary
+    folder, flushed to disk and renamed, so a saved model is never half-written."""
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
                                            enabled=engine.zero_optimization_stage() == 3):
         if is_main:
             tmp_dir = path.rstrip("/") + ".tmp"
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            engine.module.save_pretrained(tmp_dir, state_dict=merged_state_dict(engine.module),
-                                          safe_serialization=True)
-            tokenizer.save_pretrained(tmp_dir)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp_dir, path)
+            try:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                engine.module.save_pretrained(tmp_dir, state_dict=merged_state_dict(engine.module),
+                                              safe_serialization=True)
+                tokenizer.save_pretrained(tmp_dir)
+                write_json(os.path.join(tmp_dir, RECORD), record)
+                fsync_tree(tmp_dir)
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(tmp_dir, path)
+            except OSError as error:  # a full disk, a folder made read-only meanwhile
+                fail(f"cannot save {path!r} ({error}); the checkpoints in resume/, if any, can be resumed from")
 
 
 def save_weights(engine, path: str, is_main: bool) -> None:
@@ -682,6 +763,280 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
         group["lr"] = lr
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Output folder, lock and launcher watch: plumbing that keeps a run from destroying a user's files or outliving its
+# launcher (README detail 40). The same functions in every stage.
+# ---------------------------------------------------------------------------------------------------------------
+RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
+
+
+def read_record(folder: str) -> dict | None:
+    """The training_run.json of a folder, or None if it has none that reads."""
+    try:
+        with open(os.path.join(folder, RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_json(path: str, value) -> None:
+    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def fsync_tree(path: str) -> None:
+    """Flush a folder's files and the folder entries themselves to disk, so that a rename after this names complete
+    files even after a power cut."""
+    for root, _, files in os.walk(path):
+        for name in files + ["."]:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message. It must not be, nor hold, an input
+    (--output-dir . holds the data); a non-empty folder must hold an earlier output of this script (its
+    training_run.json says so) unless --overwrite; it must be writable. OUTPUT_DIR/.lock, holding host and pid, keeps
+    a second run out while this one lives; it is removed at exit, and one left by a killed run is taken over."""
+    script = os.path.basename(__file__)
+    real = os.path.realpath(output_dir)
+    for flag, path in inputs.items():
+        if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
+            fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        record = read_record(output_dir)
+        if record is None or record.get("script") != script:
+            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script}; name a new or "
+                 "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
+                 "else is deleted)")
+    lock, me = os.path.join(output_dir, ".lock"), f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(lock, "x") as f:
+                f.write(me)
+            break
+        except FileExistsError:
+            host, pid = (open(lock).read().split() + ["?", "0"])[:2]
+            if host != socket.gethostname() or pid_alive(int(pid) if pid.isdigit() else 0):
+                fail(f"--output-dir {output_dir!r} is in use by another run (pid {pid} on {host}); wait for it to end "
+                     f"or stop it (if it is gone, delete {lock})")
+            os.remove(lock)  # left by a run that was killed
+        except OSError as error:
+            fail(f"cannot write to --output-dir {output_dir!r} ({error.strerror}); name a folder you can write")
+    atexit.register(lambda: os.path.exists(lock) and open(lock).read() == me and os.remove(lock))
+    if read_record(output_dir) is None or read_record(output_dir).get("script") != script:
+        write_json(os.path.join(output_dir, RECORD), {"script": script, "finished": False})
+
+
+def make_run_dir(run_name: str) -> str:
+    """runs/RUN_NAME, for the tensorboard logs (and ppo.py's metrics.jsonl), made before anything loads."""
+    path = os.path.join("runs", run_name)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"cannot write the run's logs to {path} ({error.strerror}); run from a folder you can write")
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return pid > 0
+
+
+def on_rank_0(function):
+    """function() on rank 0 only, its result sent to every rank; if it stops with a message, every rank stops with
+    that message (instead of waiting for rank 0 forever)."""
+    result = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = [function(), None]
+        except SystemExit as stop:
+            result = [None, str(stop)]
+    dist.broadcast_object_list(result, src=0)
+    if result[1] is not None:
+        raise SystemExit(result[1])
+    return result[0]
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
+    def stop(signum, frame):
+        raise SystemExit(f"{os.path.basename(__file__)}: error: stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def watch_launcher() -> None:
+    """Exit within a second or two when the launcher that started this rank dies: a killed `deepspeed` or `torchrun`
+    does not take its ranks along, and an orphaned rank would go on training and writing checkpoints. The launcher
+    is every ancestor process that runs this same Python (deepspeed's runner and launch.py, torchrun; for a plain
+    `python` run from a shell, none); a thread checks each second that each is still there (Linux /proc)."""
+    def parent_and_start(pid):  # None once the process is gone, or dead and waiting to be reaped (a zombie)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+        except (OSError, IndexError):
+            return None
+
+    watched, pid = [], os.getppid()
+    while pid > 1 and parent_and_start(pid) and os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
+        watched.append((pid, parent_and_start(pid)[1]))
+        pid = parent_and_start(pid)[0]
+
+    def watch():
+        while all(parent_and_start(pid) and parent_and_start(pid)[1] == start for pid, start in watched):
+            time.sleep(1)
+        print(f"{os.path.basename(__file__)}: error: rank {os.environ.get('RANK')}: the launcher that started this "
+              "rank is gone; stopping", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    if watched:
+        threading.Thread(target=watch, daemon=True).start()
+
+
+def check_finite_args(args) -> None:
+    """Every float flag must be a number: inf or nan slip through `> 0` checks."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
+
+
+# Settings that --resume lets change (the `resume` flag's help lists them): they change how the run is saved, logged
+# or laid out in memory, not what it computes. The runtime fields derive from the others and the number of ranks.
+RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_every", "snapshot_every", "track",
+                     "wandb_project_name", "actor_zero_stage", "critic_zero_stage", "offload", "offload_reference_model",
+                     "offload_reward_model", "gather_weights_for_rollout", "actor_gradient_checkpointing",
+                     "critic_gradient_checkpointing", "release_inference_cache", "unpin_actor_parameters",
+                     "tp_gather_partition_size"]
+
+
+def changed_settings(saved: dict, args: Args) -> list[str]:
+    """The settings of this run that differ from those a checkpoint was written with, but for RESUME_MAY_CHANGE."""
+    return [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
+            if name not in RESUME_MAY_CHANGE and name in saved and saved[name] != value]
+
+
+def complete_checkpoints(checkpoint_dir: str) -> list[str]:
+    """The complete checkpoints of OUTPUT_DIR/resume, newest first: the one `latest` names, then the others (a folder
+    is complete once renamed from its .tmp)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    names = sorted((name for name in os.listdir(checkpoint_dir) if re.fullmatch(r"iteration_\d+", name)),
+                   key=lambda name: int(name.removeprefix("iteration_")), reverse=True)
+    with contextlib.suppress(OSError), open(os.path.join(checkpoint_dir, "latest")) as f:
+        latest = f.read().strip()
+        if latest in names:
+            names.insert(0, names.pop(names.index(latest)))
+    return [os.path.join(checkpoint_dir, name) for name in names]
+
+
+def read_state(checkpoint: str) -> dict | None:
+    """A checkpoint's state.json, or None if it does not read."""
+    try:
+        with open(os.path.join(checkpoint, "state.json")) as f:
+            state = json.load(f)
+        return state if isinstance(state, dict) and {"iteration", "kl_coef", "actor", "critic", "args"} <= set(state) \
+            else None
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_problem(checkpoint: str, engines: dict) -> str | None:
+    """Why --resume cannot continue from this checkpoint, or None: its state.json must read and each engine's files
+    must be whole safetensors files that hold a tensor for every parameter (and Adam's two moments of each)."""
+    if read_state(checkpoint) is None:
+        return "its state.json is missing or damaged"
+    for folder, engine in engines.items():
+        names = {name for name, _ in engine.module.named_parameters()}
+        files = {"model.safetensors": names}
+        if folder != "actor_ema":
+            files["adam.safetensors"] = {f"{name}.{moment}" for name in names for moment in ("exp_avg", "exp_avg_sq")}
+        for file, expected in files.items():
+            try:
+                with safetensors.safe_open(os.path.join(checkpoint, folder, file), "pt") as f:
+                    if set(f.keys()) != expected:
+                        return f"{folder}/{file} does not hold this model's parameters"
+            except (OSError, safetensors.SafetensorError) as error:
+                return f"{folder}/{file}: {' '.join(str(error).split())[:200]}"
+    return None
+
+
+def start_run(args: Args) -> dict:
+    """Rank 0's checks of the output folder before anything loads (claim_output_dir), and the run they lead to: a new
+    run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed (changed_settings).
+    Returns the run's name (its runs/ folder and metrics.jsonl) and the checkpoints to resume from, newest first."""
+    inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
+              "--reward-model-name-or-path": args.reward_model_name_or_path,
+              "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
+              "--unsup-dataset": args.unsup_dataset}
+    record = read_record(args.output_dir) or {}  # an earlier run's, if ppo.py wrote this folder before
+    if record.get("script") != "ppo.py":
+        record = {}
+    claim_output_dir(args.output_dir, inputs, args.overwrite)
+    checkpoint_dir = os.path.join(args.output_dir, "resume")
+    checkpoints = complete_checkpoints(checkpoint_dir) if record else []
+    if args.resume:
+        if "run_name" not in record:
+            fail(f"--resume: no run of ppo.py in {args.output_dir!r} to continue")
+        if record.get("finished"):
+            fail(f"--resume: the run in {args.output_dir!r} has finished all its iterations; nothing to resume (its "
+                 "actor and critic are in actor/ and critic/)")
+        states = [state for state in map(read_state, checkpoints) if state is not None]
+        if not states:
+            fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
+        changed = changed_settings(states[0]["args"], args)
+        if changed:
+            fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its "
+                 "settings (only those listed under --resume in --help may change)")
+        run_name = record["run_name"]
+    else:
+        if checkpoints and not record.get("finished") and not args.overwrite:
+            fail(f"{args.output_dir!r} holds checkpoints of an unfinished run ({os.path.basename(checkpoints[0])}): "
+                 "continue it with --resume, or pass --overwrite to start a new run, which deletes them")
+        if record:  # an earlier run's checkpoints and snapshots, which this run replaces
+            for folder in ["resume", "snapshots"]:
+                shutil.rmtree(os.path.join(args.output_dir, folder), ignore_errors=True)
+        checkpoints = []
+        run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        write_json(os.path.join(args.output_dir, RECORD), {
+            "script": "ppo.py", "finished": False, "run_name": run_name,
+            "metrics_file": os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl")), "args": asdict(args)})
+    make_run_dir(run_name)
+    return {"run_name": run_name, "checkpoints": checkpoints}
+
+
+def continue_metrics_file(path: str, iteration: int) -> None:
+    """On --resume, the run's metrics.jsonl keeps the lines of the iterations up to the checkpoint's and loses those
+    after it (logged by the killed run, they are logged again), and any line cut short by the kill."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                if json.loads(line)["iteration"] <= iteration:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 def check_args(args: Args) -> None:
     """Bad flags stop the script here, with a message that names them, before anything is loaded."""
     for flag, value in [("--total-episodes", args.total_episodes),
@@ -732,6 +1087,7 @@ def check_args(args: Args) -> None:
              "own LoRA layers, not peft's")
     if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
         fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
+    check_finite_args(args)
 
 
 if __name__ == "__main__":
@@ -755,7 +1111,8 @@ if __name__ == "__main__":
     args.world_size = dist.get_world_size()
     rank = dist.get_rank()
     is_main = rank == 0
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    watch_launcher()
+    stop_on_signals()
 
     # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's
     # share into num_mini_batches optimizer steps of gradient_accumulation_steps forward passes each.
@@ -767,11 +1124,17 @@ if __name__ == "__main__":
         args.per_device_mini_batch_size, args.per_device_train_batch_size,
         "rollout batch per mini-batch / --per-device-train-batch-size")
 
+    # The output folder, checked, locked and claimed before anything loads, and the run: a new one, or the one that
+    # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
+    run = on_rank_0(lambda: start_run(args))
+    run_name = run["run_name"]
+
     # Tokenizer: the SFT model's, left padding for the prompts. Its pad token must not be EOS (stage 1 makes sure).
     critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
-    require_model_folder(args.actor_model_name_or_path, "--actor-model-name-or-path", "sft.py")
-    require_model_folder(args.reward_model_name_or_path, "--reward-model-name-or-path", "reward_model.py")
-    require_model_folder(critic_path, "--critic-model-name-or-path", "reward_model.py")
+    check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
+    check_model_folder(args.reward_model_name_or_path,
+                       "run reward_model.py first or check --reward-model-name-or-path")
+    check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
     tokenizer = load_tokenizer(args.actor_model_name_or_path, "--actor-model-name-or-path", padding_side="left",
                                trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -790,10 +1153,9 @@ if __name__ == "__main__":
     # Prompts
     data = load_split(args.dataset, args.train_split, args.prompt_column, "--dataset", "--train-split")
     prompts, too_long = [], 0
-    for i, prompt in enumerate(data[args.prompt_column]):
-        if not isinstance(prompt, str) or not prompt.strip():
-            fail(f"row {i} of split {args.train_split!r} has an empty {args.prompt_column!r}; remove or fill it")
-        ids = tokenizer(prompt)["input_ids"]
+    for i, row in enumerate(data):
+        # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
+        ids = tokenizer(text_of(row, i, args.prompt_column, args.train_split), split_special_tokens=True)["input_ids"]
         if len(ids) > args.max_prompt_len:
             too_long += 1
         else:
@@ -813,7 +1175,8 @@ if __name__ == "__main__":
                                "--unsup-dataset-config", args.unsup_dataset_config,
                                (".txt", ".json", ".jsonl", ".parquet"))
         texts = [text for text in text_data[args.unsup_text_column] if isinstance(text, str) and text.strip()]
-        token_stream = [t for ids in tokenizer(texts)["input_ids"] for t in ids + [tokenizer.eos_token_id]]
+        token_stream = [t for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
+                        for t in ids + [tokenizer.eos_token_id]]
         block_len = args.max_prompt_len + args.max_new_tokens
         num_blocks = len(token_stream) // block_len
         if num_blocks < args.per_device_train_batch_size:
@@ -832,18 +1195,7 @@ if __name__ == "__main__":
     share_reference = args.only_optimize_lora
     if share_reference:
         reference_stage = args.actor_zero_stage
-    # --resume: the models are built as at the start, then take the weights and optimizer states of the latest
-    # complete checkpoint (load_training_state, load_weights).
     checkpoint_dir = os.path.join(args.output_dir, "resume")
-    if args.resume:
-        if not os.path.isfile(os.path.join(checkpoint_dir, "latest")):
-            fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
-        with open(os.path.join(checkpoint_dir, "latest")) as f:
-            resume_dir = os.path.join(checkpoint_dir, f.read().strip())
-        with open(os.path.join(resume_dir, "state.json")) as f:
-            resume_state = json.load(f)
-        if args.enable_ema and not os.path.isdir(os.path.join(resume_dir, "actor_ema")):
-            fail(f"--resume --enable-ema: the checkpoint {resume_dir} has no actor_ema; it was written without EMA")
     torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
     actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
     if args.enable_hybrid_engine:
@@ -854,17 +1206,18 @@ if __name__ == "__main__":
             "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
             "pin_parameters": not args.unpin_actor_parameters,
             "tp_gather_partition_size": args.tp_gather_partition_size}
-    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, actor_ds_config, args,
-                        args.actor_learning_rate, args.actor_gradient_checkpointing, args.actor_lora_dim,
-                        args.actor_lora_learning_rate)
+    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
+                        actor_ds_config, args, args.actor_learning_rate, args.actor_gradient_checkpointing,
+                        args.actor_lora_dim, args.actor_lora_learning_rate)
     reference = actor if share_reference else init_engine(
-        AutoModelForCausalLM, args.actor_model_name_or_path,
+        AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
         deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
-    critic = init_engine(AutoModelForSequenceClassification, critic_path,
+    critic = init_engine(AutoModelForSequenceClassification, critic_path, "--critic-model-name-or-path",
                          deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
                          args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
                          args.critic_lora_learning_rate)
     reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
+                         "--reward-model-name-or-path",
                          deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
     check_score_head(critic, "critic")
     check_score_head(reward, "reward model")
@@ -875,7 +1228,8 @@ if __name__ == "__main__":
         # bf16 most steps would round away. It starts as the actor (decay 0), the same adapters included.
         ema_ds_config = deepspeed_config(3 if args.actor_zero_stage == 3 else 0, False, False, args)
         ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
-        ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, ema_ds_config, args,
+        ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
+                          ema_ds_config, args,
                           lora_dim=args.actor_lora_dim)
         update_ema(ema, actor, 0.0)
     # Reward normalization (Ziegler et al. 2019): reward_model.py stored the mean and standard deviation of its scores
@@ -897,6 +1251,18 @@ if __name__ == "__main__":
     kl_coef = args.kl_coef
     start_iteration = 0
     if args.resume:
+        # The models are built as at the start, then take the weights and optimizer states of the newest checkpoint
+        # that reads whole (load_training_state, load_weights).
+        engines = {"actor": actor, "critic": critic, **({"actor_ema": ema} if args.enable_ema else {})}
+        for resume_dir in run["checkpoints"]:
+            problem = checkpoint_problem(resume_dir, engines)
+            if problem is None:
+                break
+            if is_main:
+                print(f"warning: cannot resume from {resume_dir} ({problem}); trying the checkpoint before it")
+        else:
+            fail(f"--resume: no checkpoint in {checkpoint_dir} reads whole; start a new run with --overwrite")
+        resume_state = read_state(resume_dir)
         load_training_state(actor, os.path.join(resume_dir, "actor"), resume_state["actor"], device)
         load_training_state(critic, os.path.join(resume_dir, "critic"), resume_state["critic"], device)
         if args.enable_ema:
@@ -904,7 +1270,9 @@ if __name__ == "__main__":
             load_weights(ema, ema_weights)
         start_iteration, kl_coef = resume_state["iteration"], resume_state["kl_coef"]
         if is_main:
-            print(f"resumed from {resume_dir} at iteration {start_iteration}")
+            left = args.num_iterations - start_iteration
+            print(f"resumed from {resume_dir} at iteration {start_iteration}; "
+                  + (f"{left} iterations left" if left else "no iteration left: saving the actor and the critic"))
 
     # Logging: tensorboard and a JSON-lines file always, wandb with --track, the hyperparameters as a table.
     run_dir = os.path.join("runs", run_name)
@@ -914,8 +1282,10 @@ if __name__ == "__main__":
             import wandb
 
             wandb.init(project=args.wandb_project_name, name=run_name, config=asdict(args), sync_tensorboard=True)
-        writer = SummaryWriter(run_dir)
+        # A resumed run continues its own logs: the events and metrics lines after its checkpoint are dropped.
+        writer = SummaryWriter(run_dir, purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        continue_metrics_file(os.path.join(run_dir, "metrics.jsonl"), start_iteration)
         metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         print(f"{len(prompts)} prompts; {args.num_iterations} iterations of {args.batch_size} episodes; "
               f"logging to {run_dir}")
@@ -946,10 +1316,17 @@ if __name__ == "__main__":
                             and not args.enable_hybrid_engine)
             with gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
                 actor.eval()  # in train mode, gradient checkpointing would switch generate's key-value cache off
-                sequences = actor.module.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
-                    synced_gpus=args.actor_zero_stage == 3 and not gather_actor,
-                )
+                try:
+                    sequences = actor.module.generate(
+                        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
+                        synced_gpus=args.actor_zero_stage == 3 and not gather_actor,
+                    )
+                except RuntimeError as error:  # torch.multinomial's "probability tensor contains inf, nan or < 0"
+                    if "inf" not in str(error):
+                        raise
+                    fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while sampling "
+                         f"({str(error).strip()}); " + ("lower the learning rates" if iteration > start_iteration
+                                                        else "check --actor-model-name-or-path and --temperature"))
                 actor.train()
                 responses = sequences[:, P:]
                 responses = torch.nn.functional.pad(responses, (0, R - responses.shape[1]), value=tokenizer.pad_token_id)
@@ -985,6 +1362,15 @@ if __name__ == "__main__":
             # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
             if args.missing_eos_penalty is not None:
                 scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
+
+            # A forward pass that gives inf or NaN (a model broken by its weights or its precision) stops the run
+            # here, before it can reach the rewards.
+            for name, x in [("actor's log-probs", logprobs), ("reference's log-probs", ref_logprobs),
+                            ("critic's values", values), ("reward model's scores", scores.unsqueeze(1))]:
+                in_mask = response_mask.bool() if x.shape == response_mask.shape else torch.ones_like(x, dtype=torch.bool)
+                if not torch.isfinite(x[in_mask]).all():
+                    fail(f"iteration {iteration}: the {name} are not finite (inf or nan); check that model, or use "
+                         "--dtype fp32" + ("" if iteration == start_iteration else ", or lower the learning rates"))
 
             # 5. Invalid generations, too short to learn from, are left out of the update (their mask is zeroed).
             real_tokens = response_mask.sum(dim=1) - contains_eos.long()
@@ -1173,36 +1559,44 @@ if __name__ == "__main__":
                 Console().print(table)
 
         # A snapshot of the actor, a Hugging Face folder, for evaluate.py's over-optimisation picture.
+        record = {"script": "ppo.py", "run_name": run_name, "iteration": iteration + 1, "finished": False,
+                  "metrics_file": os.path.abspath(os.path.join(run_dir, "metrics.jsonl"))}
         if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
             save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "snapshots", f"iteration_{iteration + 1}"),
-                           is_main)
-        # A checkpoint for --resume: written to a temporary folder, renamed into place once complete, and only then
-        # named in `latest`; a run killed at any moment leaves the previous checkpoint whole.
+                           is_main, record)
+        # A checkpoint for --resume: written to a temporary folder, flushed to disk, renamed into place once
+        # complete, and only then named in `latest`. The one before it is kept, for a latest that cannot be read.
         if args.save_every and (iteration + 1) % args.save_every == 0:
             path = os.path.join(checkpoint_dir, f"iteration_{iteration + 1}")
-            state = {"iteration": iteration + 1, "kl_coef": kl_coef,
+            state = {"iteration": iteration + 1, "kl_coef": kl_coef, "args": asdict(args),
                      "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
                      "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
             if args.enable_ema:
                 save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
             if is_main:
-                with open(os.path.join(path + ".tmp", "state.json"), "w") as f:
-                    json.dump(state, f)
+                write_json(os.path.join(path + ".tmp", "state.json"), state)
+                fsync_tree(path + ".tmp")
                 shutil.rmtree(path, ignore_errors=True)
                 os.replace(path + ".tmp", path)
                 with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
                     f.write(os.path.basename(path))
+                fsync_tree(checkpoint_dir)
                 os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
+                fsync_tree(checkpoint_dir)
+                keep = [os.path.basename(c) for c in complete_checkpoints(checkpoint_dir)[:2]]
                 for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
-                    if old.startswith("iteration_") and old != os.path.basename(path):
+                    if old.startswith("iteration_") and old not in keep:
                         shutil.rmtree(os.path.join(checkpoint_dir, old))
 
-    # Save the trained actor and critic as ordinary Hugging Face folders.
-    save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), is_main)
-    save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), is_main)
+    # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
+    record = {"script": "ppo.py", "run_name": run_name, "iteration": args.num_iterations, "finished": True,
+              "metrics_file": os.path.abspath(os.path.join(run_dir, "metrics.jsonl"))}
+    save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), is_main, record)
+    save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), is_main, record)
     if args.enable_ema:
-        save_hf_folder(ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), is_main)
+        save_hf_folder(ema, tokenizer, os.path.join(args.output_dir, "actor_ema"), is_main, record)
     if is_main:
+        write_json(os.path.join(args.output_dir, RECORD), {**read_record(args.output_dir), "finished": True})
         print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
               f"in {time.time() - start_time:.0f}s")
         metrics_file.close()

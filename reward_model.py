@@ -16,19 +16,26 @@ Ziegler et al. 2019).
     deepspeed --num_gpus 2 reward_model.py --zero-stage 3    # the same, on 2 ranks with ZeRO-3
 """
 
+import atexit
+import difflib
 import functools
+import json
 import math
 import os
 import random
 import shutil
+import signal
 import socket
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import datasets
 import deepspeed
 import numpy as np
+import safetensors
 import torch
 import torch.distributed as dist
 import tyro
@@ -51,7 +58,11 @@ class Args:
     seed: int = 1
     """seed of the experiment (data order, initialisation of the head)"""
     output_dir: str = "checkpoints/reward_model"
-    """where the reward model is saved, as a Hugging Face folder (safetensors + tokenizer)"""
+    """where the reward model is saved, as a Hugging Face folder (safetensors + tokenizer); a new or empty folder, or
+    one that reward_model.py wrote before"""
+    overwrite: bool = False
+    """write into a non-empty --output-dir that reward_model.py did not write: files of the same names are replaced,
+    nothing else is deleted"""
     track: bool = False
     """log to Weights & Biases (tensorboard logs are always written to runs/)"""
     wandb_project_name: str = "ppo-rlhf"
@@ -140,9 +151,12 @@ def fail(message: str) -> None:
 
 def is_hub_name(path: str) -> bool:
     """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
-    The stages' own outputs (checkpoints/...) are local, even before the stage that writes them has run."""
+    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
+    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
+    first = path.split("/")[0]
+    here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
     return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
-                or os.path.isdir(path.split("/")[0]))
+                or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
 
 
 def check_model_folder(path: str, hint: str) -> None:
@@ -155,11 +169,45 @@ def check_model_folder(path: str, hint: str) -> None:
     files = os.listdir(path)
     if "config.json" not in files:
         fail(f"{path!r} holds no model (no config.json); {hint}")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        fail(f"{path!r} has a damaged config.json ({error}); {hint}")
     if not any(f.endswith(".safetensors") for f in files):
         if any(f.endswith(".bin") for f in files):
             fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
                  "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
         fail(f"{path!r} has no model weights (model.safetensors); {hint}")
+
+
+def load_pretrained(model_class, path: str, hint: str, allowed_missing: tuple = (), **kwargs):
+    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
+    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
+    allowed_missing: name prefixes that may start fresh (the reward model's new score head)."""
+    try:
+        model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, safetensors.SafetensorError) as error:
+        fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
+    missing = sorted(name for name in info["missing_keys"] if not name.startswith(allowed_missing))
+    unexpected = sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
+             f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
+    return model
+
+
+def check_finite_weights(model, name: str) -> None:
+    """Stop before training if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling
+    or as a NaN loss. Under ZeRO-3 each parameter is gathered in turn (every rank takes part)."""
+    bad = []
+    for param_name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters(param):  # does nothing to a parameter that is not partitioned
+            if not torch.isfinite(param).all():
+                bad.append(param_name)
+    if bad:
+        fail(f"the {name} has weights that are not finite (inf or nan) in {len(bad)} tensors ({', '.join(bad[:3])}); "
+             "its checkpoint is damaged: train it again")
 
 
 def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
@@ -188,11 +236,33 @@ def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset
             data = datasets.load_dataset(dataset, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
         error = error.__cause__ or error  # the generation error's cause says which row is malformed
-        fail(f"cannot load split {split!r} of data set {dataset!r} ({error}); check --dataset and the split flags")
+        if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
+            with open(dataset, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except ValueError as bad:
+                        fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
+        fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
+             "--dataset (a UTF-8 .json, .jsonl or .parquet file) and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
         fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
+    try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
+        data.select_columns(columns).data.validate(full=True)
+    except ValueError as error:
+        fail(f"data set {dataset!r} split {split!r} is not UTF-8 text ({error}); save it as UTF-8")
     return data
+
+
+def text_of(row: dict, i: int, column: str, split: str) -> str:
+    """The text in one cell of the data, or an error that names the row, the column and what is wrong with it."""
+    value = row[column]
+    problem = ("empty (null)" if value is None else f"a value of type {type(value).__name__}, not text"
+               if not isinstance(value, str) else "empty text" if not value.strip() else None)
+    if problem:
+        fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
+    return value
 
 
 def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
@@ -203,13 +273,12 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
     """
     examples, too_long = [], 0
     for i, row in enumerate(data):
-        for column in [args.prompt_column, args.chosen_column, args.rejected_column]:
-            if not isinstance(row[column], str) or not row[column].strip():
-                fail(f"row {i} of split {split!r} has an empty {column!r}; remove or fill it")
-        prompt_ids = tokenizer(row[args.prompt_column])["input_ids"]
+        # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
+        prompt_ids = tokenizer(text_of(row, i, args.prompt_column, split), split_special_tokens=True)["input_ids"]
         sides = []
         for column in [args.chosen_column, args.rejected_column]:
-            response_ids = tokenizer(row[column], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            response_ids = tokenizer(text_of(row, i, column, split), add_special_tokens=False,
+                                     split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
             sides.append(prompt_ids + response_ids)
         if max(len(s) for s in sides) > args.max_seq_len:
             too_long += 1
@@ -284,6 +353,184 @@ def evaluate(engine, loader, device) -> dict[str, float]:
             "chosen_score": total[2].item() / n, "rejected_score": total[3].item() / n}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Output folder, lock and launcher watch: plumbing that keeps a run from destroying a user's files or outliving its
+# launcher (README detail 40). The same functions in every stage.
+# ---------------------------------------------------------------------------------------------------------------
+RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
+
+
+def read_record(folder: str) -> dict | None:
+    """The training_run.json of a folder, or None if it has none that reads."""
+    try:
+        with open(os.path.join(folder, RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_json(path: str, value) -> None:
+    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def fsync_tree(path: str) -> None:
+    """Flush a folder's files and the folder entries themselves to disk, so that a rename after this names complete
+    files even after a power cut."""
+    for root, _, files in os.walk(path):
+        for name in files + ["."]:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message. It must not be, nor hold, an input
+    (--output-dir . holds the data); a non-empty folder must hold an earlier output of this script (its
+    training_run.json says so) unless --overwrite; it must be writable. OUTPUT_DIR/.lock, holding host and pid, keeps
+    a second run out while this one lives; it is removed at exit, and one left by a killed run is taken over."""
+    script = os.path.basename(__file__)
+    real = os.path.realpath(output_dir)
+    for flag, path in inputs.items():
+        if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
+            fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        record = read_record(output_dir)
+        if record is None or record.get("script") != script:
+            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script}; name a new or "
+                 "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
+                 "else is deleted)")
+    lock, me = os.path.join(output_dir, ".lock"), f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(lock, "x") as f:
+                f.write(me)
+            break
+        except FileExistsError:
+            host, pid = (open(lock).read().split() + ["?", "0"])[:2]
+            if host != socket.gethostname() or pid_alive(int(pid) if pid.isdigit() else 0):
+                fail(f"--output-dir {output_dir!r} is in use by another run (pid {pid} on {host}); wait for it to end "
+                     f"or stop it (if it is gone, delete {lock})")
+            os.remove(lock)  # left by a run that was killed
+        except OSError as error:
+            fail(f"cannot write to --output-dir {output_dir!r} ({error.strerror}); name a folder you can write")
+    atexit.register(lambda: os.path.exists(lock) and open(lock).read() == me and os.remove(lock))
+    if read_record(output_dir) is None or read_record(output_dir).get("script") != script:
+        write_json(os.path.join(output_dir, RECORD), {"script": script, "finished": False})
+
+
+def make_run_dir(run_name: str) -> str:
+    """runs/RUN_NAME, for the tensorboard logs (and ppo.py's metrics.jsonl), made before anything loads."""
+    path = os.path.join("runs", run_name)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"cannot write the run's logs to {path} ({error.strerror}); run from a folder you can write")
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return pid > 0
+
+
+def on_rank_0(function):
+    """function() on rank 0 only, its result sent to every rank; if it stops with a message, every rank stops with
+    that message (instead of waiting for rank 0 forever)."""
+    result = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = [function(), None]
+        except SystemExit as stop:
+            result = [None, str(stop)]
+    dist.broadcast_object_list(result, src=0)
+    if result[1] is not None:
+        raise SystemExit(result[1])
+    return result[0]
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
+    def stop(signum, frame):
+        raise SystemExit(f"{os.path.basename(__file__)}: error: stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def watch_launcher() -> None:
+    """Exit within a second or two when the launcher that started this rank dies: a killed `deepspeed` or `torchrun`
+    does not take its ranks along, and an orphaned rank would go on training and writing checkpoints. The launcher
+    is every ancestor process that runs this same Python (deepspeed's runner and launch.py, torchrun; for a plain
+    `python` run from a shell, none); a thread checks each second that each is still there (Linux /proc)."""
+    def parent_and_start(pid):  # None once the process is gone, or dead and waiting to be reaped (a zombie)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+        except (OSError, IndexError):
+            return None
+
+    watched, pid = [], os.getppid()
+    while pid > 1 and parent_and_start(pid) and os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
+        watched.append((pid, parent_and_start(pid)[1]))
+        pid = parent_and_start(pid)[0]
+
+    def watch():
+        while all(parent_and_start(pid) and parent_and_start(pid)[1] == start for pid, start in watched):
+            time.sleep(1)
+        print(f"{os.path.basename(__file__)}: error: rank {os.environ.get('RANK')}: the launcher that started this "
+              "rank is gone; stopping", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    if watched:
+        threading.Thread(target=watch, daemon=True).start()
+
+
+def check_finite_args(args) -> None:
+    """Every float flag must be a number: inf or nan slip through `> 0` checks."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
+
+
+def save_model_folder(model, tokenizer, output_dir: str, record: dict) -> None:
+    """The trained model as an ordinary Hugging Face folder: safetensors, tokenizer and training_run.json. Written in
+    OUTPUT_DIR/.saving, flushed to disk, then moved into place file by file, so that a run killed while saving leaves
+    the earlier model whole; weight files of an earlier save that this one does not write are removed, so that
+    from_pretrained cannot mix them in. Under ZeRO-3 the caller gathers the weights first."""
+    try:
+        staging = os.path.join(output_dir, ".saving")
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        write_json(os.path.join(staging, RECORD), record)
+        fsync_tree(staging)
+        saved = os.listdir(staging)
+        for name in os.listdir(output_dir):
+            if name.startswith("model") and ".safetensors" in name and name not in saved:
+                os.remove(os.path.join(output_dir, name))
+        for name in sorted(saved, key=lambda name: name == RECORD):  # the record last: it says the folder is complete
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        os.rmdir(staging)
+        fsync_tree(output_dir)
+    except OSError as error:  # a full disk, a folder made read-only meanwhile
+        fail(f"cannot save the model to {output_dir!r} ({error}); its new files are in {output_dir}/.saving, if any")
+
+
 def check_args(args: Args) -> None:
     """Bad flags stop the script here, with a message that names them, before anything is loaded."""
     for flag, value in [("--per-device-train-batch-size", args.per_device_train_batch_size),
@@ -305,6 +552,7 @@ def check_args(args: Args) -> None:
         fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
     if os.path.isfile(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
+    check_finite_args(args)
 
 
 if __name__ == "__main__":
@@ -326,6 +574,14 @@ if __name__ == "__main__":
     args.world_size = dist.get_world_size()
     is_main = dist.get_rank() == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    watch_launcher()
+    stop_on_signals()
+    # The output folder is checked, locked and claimed before anything loads: a run never trains for an hour to find
+    # that it cannot save, nor writes over a folder it does not own.
+    on_rank_0(lambda: claim_output_dir(args.output_dir, {
+        "--model-name-or-path": args.model_name_or_path, "--tokenizer-name-or-path": args.tokenizer_name_or_path,
+        "--policy-model-name-or-path": args.policy_model_name_or_path, "--dataset": args.dataset}, args.overwrite))
+    on_rank_0(lambda: make_run_dir(run_name))
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -386,9 +642,11 @@ if __name__ == "__main__":
     # Loaded in the precision it trains in, not in the checkpoint's (transformers would keep an fp16 checkpoint in
     # fp16 in an fp32 run).
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, config=config, use_safetensors=True, trust_remote_code=args.trust_remote_code,
-        dtype=dtype)
+    # Only the new head may be missing from the SFT checkpoint (its language-model head is left unused).
+    model = load_pretrained(AutoModelForSequenceClassification, args.model_name_or_path, model_hint,
+                            allowed_missing=("score.",), config=config, trust_remote_code=args.trust_remote_code,
+                            dtype=dtype)
+    check_finite_weights(model, f"model {args.model_name_or_path!r}")
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         fail(f"{type(model).__name__} has no linear `score` head; use a model whose sequence-classification head is "
              "called `score` (Llama, Mistral, Qwen, GPT-NeoX/Pythia, OPT, GPT-2, ...)")
@@ -418,7 +676,7 @@ if __name__ == "__main__":
             import wandb
 
             wandb.init(project=args.wandb_project_name, name=run_name, config=asdict(args), sync_tensorboard=True)
-        writer = SummaryWriter(f"runs/{run_name}")
+        writer = SummaryWriter(os.path.join("runs", run_name))
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
         print(f"{len(train_data)} train / {len(eval_data)} eval pairs; {args.num_training_steps} optimizer steps "
               f"of {args.batch_size} pairs")
@@ -437,6 +695,9 @@ if __name__ == "__main__":
             scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
             chosen_scores, rejected_scores = scores.chunk(2)
             loss, accuracy = rlhf_math.pairwise_reward_loss(chosen_scores, rejected_scores)
+            if not torch.isfinite(loss) and step == 0:
+                fail(f"the loss of the first micro-batch is {loss.item()}, before any training: the model's forward "
+                     f"pass gives non-finite numbers; check --model-name-or-path (with --dtype {args.dtype}, try fp32)")
             if not torch.isfinite(loss):
                 fail(f"the loss became {loss.item()} at step {step}; lower --learning-rate or use --dtype fp32")
             engine.backward(loss)
@@ -475,8 +736,8 @@ if __name__ == "__main__":
     # mean 0 and std 1 where PPO starts, so --clip-score and --kl-coef mean the same whatever the model's own scale.
     engine.eval()
     policy_path = args.policy_model_name_or_path or args.model_name_or_path
-    policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype, use_safetensors=True,
-                                                  trust_remote_code=args.trust_remote_code)
+    policy = load_pretrained(AutoModelForCausalLM, policy_path, "check --policy-model-name-or-path", dtype=dtype,
+                             trust_remote_code=args.trust_remote_code)
     if added_pad_token:  # the pad token added above must exist for the policy too (it pads the prompts)
         policy.resize_token_embeddings(len(tokenizer))
     if args.zero_stage == 3:  # partitioned like the reward model (HfDeepSpeedConfig is still alive)
@@ -522,16 +783,11 @@ if __name__ == "__main__":
               "stored as reward_mean and reward_std in config.json")
 
     # Save an ordinary Hugging Face folder. Under ZeRO-3 each rank holds a shard of every parameter: gather the full
-    # weights (every rank must take part) and let rank 0 write them. Written to a temporary folder, then renamed, so
-    # that an interrupted save never leaves a half-written checkpoint behind.
+    # weights (every rank must take part) and let rank 0 write them.
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=args.zero_stage == 3):
         if is_main:
-            tmp_dir = args.output_dir.rstrip("/") + ".tmp"
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            engine.module.save_pretrained(tmp_dir, safe_serialization=True)
-            tokenizer.save_pretrained(tmp_dir)
-            shutil.rmtree(args.output_dir, ignore_errors=True)
-            os.replace(tmp_dir, args.output_dir)
+            save_model_folder(engine.module, tokenizer, args.output_dir, {"script": "reward_model.py", "finished": True,
+                                                                          "run_name": run_name, "args": asdict(args)})
     if is_main:
         print(f"saved the reward model to {args.output_dir}")
         writer.close()

@@ -1,12 +1,18 @@
 """The evaluation's judges and statistics, checked by hand: the toy task's gold judge (toy_task/gold_judge.py), and
-the win rate and rank correlation of evaluate.py."""
+the win rate and rank correlation of evaluate.py; then evaluate.py's checks of its inputs and its reading of the
+training run's metrics, in-process (no model is loaded)."""
 
 import json
 import math
+import os
 
+import datasets
 import pytest
+import torch
+import tyro
 
-from evaluate import spearman, win_rate
+import evaluate
+from evaluate import Args, spearman, win_rate
 from toy_task.gold_judge import gold_score, parse_response
 
 
@@ -70,3 +76,115 @@ def test_spearman_by_hand():
     # Any increasing map of x ranks the same: rho = 1; a decreasing one: -1.
     assert spearman([0.1, 5, 2, 9], [1, 125, 8, 729]) == pytest.approx(1.0)
     assert spearman([0.1, 5, 2, 9], [-1, -125, -8, -729]) == pytest.approx(-1.0)
+
+
+def stops_with(function, *args) -> str:
+    """The one-line message that function(*args) stops with."""
+    with pytest.raises(SystemExit) as stop:
+        function(*args)
+    message = str(stop.value)
+    assert message.startswith("evaluate.py: error: ") and "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, not 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--max-prompt-len", "-3"], "--max-prompt-len must be at least 1"),
+    (["--snapshot-prompts", "0"], "--snapshot-prompts must be at least 1"),
+    (["--num-samples", "-1"], "--num-samples must not be negative"),
+    (["--temperature", "0"], "--temperature must be positive, not 0.0"),
+    (["--temperature", "-1"], "--temperature must be positive"),
+    (["--temperature", "inf"], "--temperature must be a finite number, not inf"),
+    (["--temperature", "nan"], "--temperature must be a finite number, not nan"),
+    (["--seed", "-1"], "--seed must be between 0 and 2**32 - 1"),
+])
+def test_bad_flags_stop_with_one_line(flags, message):
+    assert message in stops_with(evaluate.check_args, tyro.cli(Args, args=flags))
+
+
+def test_the_default_flags_pass():
+    evaluate.check_args(Args())
+
+
+def test_output_dir_that_is_or_holds_an_input_is_refused(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    assert "is or holds --sft-model" in stops_with(evaluate.check_output_dir, Args(output_dir=str(model),
+                                                                                   sft_model=str(model)))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    assert "is or holds --dataset" in stops_with(evaluate.check_output_dir, Args(output_dir=str(tmp_path),
+                                                                                 dataset=str(data)))
+    # A folder whose name merely starts like an input's is not the input: the comparison is by whole folders.
+    evaluate.check_output_dir(Args(output_dir=str(tmp_path / "mod"), sft_model=str(model)))
+    assert os.listdir(tmp_path / "mod") == []  # created, and the probe file removed
+
+
+@pytest.mark.parametrize("output_dir", ["/proc/x", "/proc"])  # a folder that cannot be made; one that takes no file
+def test_output_dir_that_cannot_be_written_is_refused(output_dir):
+    assert f"cannot write to --output-dir {output_dir!r}" in stops_with(evaluate.check_output_dir,
+                                                                       Args(output_dir=output_dir))
+
+
+@pytest.mark.parametrize("value, problem", [(None, "empty (null)"), (["a"], "a value of type list, not text"), ("  ", "empty text")])
+def test_a_bad_prompt_cell_is_named_by_row_and_column(value, problem):
+    rows = [{"prompt": "fine"}, {"prompt": value}]
+    assert evaluate.text_of(rows[0], 0, "prompt", "test") == "fine"
+    assert f"row 1 of split 'test', column 'prompt': {problem}" in stops_with(evaluate.text_of, rows[1], 1, "prompt",
+                                                                             "test")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "a"}\n{"prompt": "b\n', "line 2 of"),  # a partial last line, named by its number
+    ('{"prompt": "The caf\u00e9 was good, and"}\n'.encode("latin-1"), "is not UTF-8 text"),
+])
+def test_a_malformed_or_latin_1_data_file_stops_with_one_line(tmp_path, monkeypatch, content, message):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # not the user's cache
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    assert message in stops_with(evaluate.load_split, str(path), "test", ["prompt"])
+
+
+def test_non_finite_weights_are_refused():
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.bias[1] = float("nan")
+    assert "not finite (inf or nan) in 1 tensors (bias)" in stops_with(evaluate.check_finite_weights, model, "model")
+
+
+def metrics_row(iteration: int, score: float) -> str:
+    return json.dumps({"iteration": iteration, "episode": 64 * iteration, "objective/scores": score,
+                       "objective/rlhf_reward": score - 0.1, "objective/kl": 0.5 * iteration})
+
+
+def test_metrics_rows_skip_partial_lines_and_keep_the_last_of_a_repeated_iteration(tmp_path, capsys):
+    """A run resumed after a kill may repeat an iteration and leave a partial line where it was killed."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join([metrics_row(1, 0.1), metrics_row(2, 0.2), metrics_row(2, 0.25),
+                                  json.dumps({"iteration": 3, "episode": 192}),  # lacks the scores
+                                  metrics_row(3, 0.3), '{"iteration": 4, "episode": 25']))  # cut mid-write
+    rows = evaluate.read_metrics(str(metrics))
+    assert [(row["iteration"], row["objective/scores"]) for row in rows] == [(1, 0.1), (2, 0.25), (3, 0.3)]
+    assert "skipped 2 lines" in capsys.readouterr().out
+    evaluate.plot_training(str(metrics), str(tmp_path / "ppo_training.png"))
+    assert (tmp_path / "ppo_training.png").stat().st_size > 0
+    assert "skipped 2 lines" in capsys.readouterr().out
+
+
+def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys):
+    actor, metrics = tmp_path / "actor", tmp_path / "metrics.jsonl"
+    actor.mkdir()
+    assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None
+    assert "has no training_run.json" in capsys.readouterr().out
+    record = {"script": "ppo.py", "run_name": "ppo__1__2", "metrics_file": str(metrics), "finished": True}
+    (actor / evaluate.RECORD).write_text(json.dumps(record))
+    assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None  # named, but not there (yet)
+    assert "does not exist" in capsys.readouterr().out
+    metrics.write_text(metrics_row(1, 0.1) + "\n")
+    assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) == str(metrics)
+    other = tmp_path / "other.jsonl"  # --metrics-file wins over the record, and must exist
+    assert "check --metrics-file" in stops_with(evaluate.training_metrics_file, Args(ppo_model=str(actor),
+                                                                                     metrics_file=str(other)))
+    other.write_text(metrics_row(1, 0.1) + "\n")
+    assert evaluate.training_metrics_file(Args(ppo_model=str(actor), metrics_file=str(other))) == str(other)

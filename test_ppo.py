@@ -3,7 +3,9 @@ with ZeRO-0, with the k3 KL estimator and the EOS trick, and killed then resumed
 it starts from are trained here for a few steps first.
 """
 
+import dataclasses
 import glob
+import inspect
 import json
 import math
 import os
@@ -25,7 +27,7 @@ import rlhf_math
 from ppo import response_logits
 # bad is a pytest fixture, used by name
 from test_sft_and_reward_model import (ENV, FEW_STEPS, bad, check_errors, check_stops, error_of,  # noqa: F401
-                                       free_port, launcher, run)
+                                       free_port, launcher, processes_with, run)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
@@ -228,26 +230,41 @@ def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
     check_actor_trained(tmp_path / "offload", stages)
 
 
+def run_metrics(out):
+    """The metrics.jsonl lines of the run in `out` (its one file, across resumes); a line cut short by a kill is
+    skipped."""
+    lines = []
+    for line in open(ppo.read_record(str(out))["metrics_file"]):
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    return lines
+
+
 def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     """Start ppo.py (with --resume when a checkpoint exists), wait until it has completed a checkpoint of its own,
-    then send `sig` to its whole process group (the launcher and its ranks, as a cluster scheduler would). Returns
-    the iteration of the checkpoint and the iterations it logged."""
+    then send `sig` to the process we started: on 2 ranks the launcher alone, whose ranks must then stop by
+    themselves within seconds. Returns the iteration of the checkpoint and the iterations logged so far."""
     marker = out / "resume" / "latest"
     before = marker.read_text() if marker.exists() else None
     command = [sys.executable, "ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out),
                "--exp-name", exp_name] + (["--resume"] if before else [])
     if ranks:
         command[0:2] = [*launcher(ranks), "ppo.py"]
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while (not marker.exists() or marker.read_text() == before) and process.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    os.killpg(process.pid, sig)
+    process.send_signal(sig)
     stderr = process.communicate()[1].decode()
+    killed = time.time()
+    while processes_with(str(out)) and time.time() < killed + 30:
+        time.sleep(0.2)
+    assert not processes_with(str(out)) and time.time() - killed < 15, "a rank outlived its launcher"
     assert marker.exists() and marker.read_text() != before, stderr[-3000:]
-    assert not (out / "actor").exists(), "the run finished before it could be killed"
-    return int(marker.read_text().removeprefix("iteration_")), [m["iteration"] for m in read_metrics(exp_name)]
+    assert not (out / "actor").exists(), f"the run finished before it could be killed:\n{stderr[-3000:]}"
+    return int(marker.read_text().removeprefix("iteration_")), [m["iteration"] for m in run_metrics(out)]
 
 
 @pytest.mark.parametrize("ranks, sigs, flags", [
@@ -257,7 +274,9 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
 def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
     """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
     uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included, and
-    the EMA and LoRA adapters (on one rank) or the EMA under ZeRO-3 in bf16 (on two) end where they would have."""
+    the EMA and LoRA adapters (on one rank) or the EMA under ZeRO-3 in bf16 (on two) end where they would have. On
+    one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
+    one metrics file, with every iteration logged once."""
     flags = ["--total-episodes", str(64 * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
     out = tmp_path / "straight"
     _, exp_name = run_ppo(stages, out, *flags, ranks=ranks)
@@ -268,21 +287,28 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     out, exp_name, done = tmp_path / "killed", f"test_killed_{ranks}", 0
     for sig in sigs:
         checkpoint, logged = kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig)
-        assert logged[0] == done + 1 and checkpoint <= logged[-1] < checkpoint + 2  # lost < --save-every iterations
+        assert logged == list(range(1, logged[-1] + 1)) and checkpoint <= logged[-1] < checkpoint + 2, logged
         done = checkpoint
-    # Checkpoints are safetensors and JSON, nothing pickled. A kill can land after `latest` names the new checkpoint
-    # and before the older ones are deleted: those may remain until the next checkpoint, never a newer or partial one.
+    # Checkpoints are safetensors and JSON, nothing pickled. The last two complete ones are kept (a kill can land
+    # after `latest` names the new one and before the oldest is deleted: it may remain until the next checkpoint).
     files = sorted(str(p.relative_to(out / "resume")) for p in (out / "resume").rglob("*") if p.is_file())
     assert {os.path.splitext(f)[1] for f in files} <= {".safetensors", ".json", ""}, files
     folders = {f.split(os.sep)[0] for f in files} - {"latest"}
     assert f"iteration_{done}" in folders and all(int(f.removeprefix("iteration_")) <= done for f in folders), files
+    if len(sigs) > 1:  # the latest checkpoint damaged: the one before it is used, with a message
+        assert f"iteration_{done - 2}" in folders
+        weights = out / "resume" / f"iteration_{done}" / "actor" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+        done -= 2
 
-    run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name, "--resume",
-        ranks=ranks)
-    resumed = read_metrics(exp_name)
-    assert [m["iteration"] for m in resumed] == list(range(done + 1, 9))
-    # Only the latest complete checkpoint is kept once a run has saved one.
-    assert sorted(os.listdir(out / "resume")) == ["iteration_8", "latest"]
+    result = run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name,
+                 "--resume", ranks=ranks)
+    assert f"resumed from {out / 'resume' / f'iteration_{done}'} at iteration {done}" in result.stdout
+    if len(sigs) > 1:
+        assert f"cannot resume from {out / 'resume' / f'iteration_{done + 2}'} (actor/model.safetensors" in result.stdout
+    assert sorted(os.listdir(out / "resume")) == ["iteration_6", "iteration_8", "latest"]
+    resumed = run_metrics(out)
+    assert [m["iteration"] for m in resumed] == list(range(1, 9))  # one file, each iteration once
     for after in resumed:
         before = uninterrupted[after["iteration"] - 1]
         for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
@@ -291,6 +317,48 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
         straight, resumed = saved_weights(tmp_path / "straight" / folder), saved_weights(out / folder)
         for name in straight:
             torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-5)
+    shutil.rmtree(os.path.dirname(ppo.read_record(str(out))["metrics_file"]))
+
+
+def test_resume_continues_only_the_run_it_claims(tmp_path):
+    """--resume continues the unfinished run of its output folder with its settings; a new run never silently takes
+    the place of an unfinished one. (In-process: start_run only reads and writes files.)"""
+    out = tmp_path / "out"
+    args = ppo.Args(output_dir=str(out), exp_name="test_start_run", save_every=2, world_size=1, batch_size=64)
+
+    def start(**changes):
+        (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
+        return ppo.start_run(dataclasses.replace(args, **changes))
+
+    first = start()
+    record = ppo.read_record(str(out))
+    assert record["run_name"] == first["run_name"] and not record["finished"] and first["checkpoints"] == []
+    (out / "resume" / "iteration_2").mkdir(parents=True)  # a checkpoint as ppo.py writes it (its state.json here)
+    ppo.write_json(str(out / "resume" / "iteration_2" / "state.json"),
+                   {"iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args)})
+    (out / "resume" / "latest").write_text("iteration_2")
+    check_stops([
+        (lambda: start(), "holds checkpoints of an unfinished run (iteration_2): continue it with --resume, or pass "
+                          "--overwrite to start a new run, which deletes them"),
+        (lambda: start(resume=True, kl_coef=0.05, actor_learning_rate=1e-3),
+         "--resume: the run was started with other settings: --actor-learning-rate 0.0002 (now 0.001), --kl-coef "
+         "0.1 (now 0.05); resume with its settings"),
+        (lambda: start(resume=True, world_size=2, batch_size=128), "--world-size 1 (now 2), --batch-size 64 (now 128)"),
+        (lambda: start(resume=True, output_dir=str(tmp_path / "empty")), "--resume: no run of ppo.py in"),
+    ])
+    resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3)  # settings that may change
+    assert resumed == {"run_name": first["run_name"], "checkpoints": [str(out / "resume" / "iteration_2")]}
+    ppo.write_json(str(out / "training_run.json"), {**ppo.read_record(str(out)), "finished": True})
+    check_stops([(lambda: start(resume=True), "has finished all its iterations; nothing to resume")])
+    ppo.write_json(str(out / "training_run.json"), {**ppo.read_record(str(out)), "finished": False})
+    second = start(overwrite=True)  # a new run in its place: the old checkpoints go
+    assert second["checkpoints"] == [] and not (out / "resume").exists()
+    # Every setting that may change is named in --resume's help.
+    help_text = " ".join(inspect.getsource(ppo.Args).split("resume: bool = False")[1].split('"""')[1].split())
+    for name in set(ppo.RESUME_MAY_CHANGE) - {"resume", "overwrite", "local_rank"}:
+        assert f"--{name.replace('_', '-')}" in help_text, name
+    for run_name in {first["run_name"], second["run_name"]}:
+        shutil.rmtree(os.path.join("runs", run_name))
 
 
 def test_first_ratio_check_catches_dropout(stages, tmp_path):
@@ -346,6 +414,10 @@ def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
 
 
 def test_ppo_bad_input(stages, bad, tmp_path):
+    shutil.copytree(stages[3], bad / "nan_weights_rm", dirs_exist_ok=True)  # a reward model with a NaN weight
+    weights = safetensors.torch.load_file(bad / "nan_weights_rm" / "model.safetensors")
+    weights["score.weight"].view(-1)[0] = float("nan")
+    safetensors.torch.save_file(weights, bad / "nan_weights_rm" / "model.safetensors", metadata={"format": "pt"})
     check_stops([(lambda overrides=overrides: ppo.check_args(ppo.Args(**overrides)), message) for overrides, message in [
         ({"total_episodes": 0}, "--total-episodes must be at least 1, not 0"),
         ({"num_mini_batches": 0}, "--num-mini-batches must be at least 1, not 0"),
@@ -363,6 +435,8 @@ def test_ppo_bad_input(stages, bad, tmp_path):
     check_stops([
         (lambda: ppo.load_split(str(bad / "data.csv"), "train", "prompt", "--dataset", "--train-split"),
          "data.csv' is not a .json, .jsonl or .parquet file"),
+        (lambda: ppo.load_split("toy_task/data", "train", "promt", "--dataset", "--train-split"),
+         "has no column 'promt'; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
         (lambda: ppo.load_split("toy_task/data", "validation", "prompt", "--dataset", "--train-split"),
          "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
         (lambda: ppo.load_split(str(tmp_path / "missing.txt"), "train", "text", "--unsup-dataset",
@@ -371,33 +445,28 @@ def test_ppo_bad_input(stages, bad, tmp_path):
         (lambda: ppo.load_split(str(bad / "data.csv"), "train", "text", "--unsup-dataset", "--unsup-dataset-config",
                                 extensions=(".txt", ".json", ".jsonl", ".parquet")),
          "is not a .txt, .json, .jsonl or .parquet file"),
-        (lambda: ppo.require_model_folder(str(bad / "empty_folder"), "--actor-model-name-or-path", "sft.py"),
+        (lambda: ppo.check_model_folder(str(bad / "empty_folder"), "run sft.py first or check --actor-model-name-or-path"),
          "holds no model (no config.json); run sft.py first or check --actor-model-name-or-path"),
-        (lambda: ppo.require_model_folder(str(bad / "pickle_only"), "--reward-model-name-or-path", "reward_model.py"),
+        (lambda: ppo.check_model_folder(str(bad / "pickle_only"), "check --reward-model-name-or-path"),
          "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
-        (lambda: ppo.require_model_folder(str(tmp_path / "missing"), "--reward-model-name-or-path", "reward_model.py"),
+        (lambda: ppo.check_model_folder(str(tmp_path / "missing"), "check --reward-model-name-or-path"),
          "no model folder at"),
     ])
-    check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16", "--output-dir", str(tmp_path)], [
+    check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16"], [
         (["--total-episodes", "20"], "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8"),
-        (["--per-device-train-batch-size", "3"], "--per-device-train-batch-size: 4 is not divisible by 3"),
-        (["--temperature", "0"], "--temperature must be positive, not 0.0"),
         (["--max-new-tokens", "200"], "--max-new-tokens 200 is longer than the model's 128 positions"),
-        (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
-        (["--prompt-column", "promt"], "has no column 'promt'; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
-        (["--dataset", str(bad / "empty_prompt.jsonl")], "row 1 of split 'train' has an empty 'prompt'"),
+        (["--dataset", str(bad / "empty_prompt.jsonl")], "row 1 of split 'train', column 'prompt': empty text"),
         (["--max-prompt-len", "2"], "no prompt of split 'train' fits --max-prompt-len 2; raise it"),
-        (["--actor-model-name-or-path", str(bad / "pickle_only")],
-         "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
         (["--critic-model-name-or-path", str(bad / "no_weights")],
          "has no model weights (model.safetensors); run reward_model.py first or check --critic-model-name-or-path"),
-        (["--resume"], "--resume: no complete checkpoint"),
+        (["--resume"], "--resume: no run of ppo.py in"),
+        (["--output-dir", stages[3]], "is or holds --reward-model-name-or-path"),
+        (["--reward-model-name-or-path", str(bad / "nan_weights_rm")], "has weights that are not finite (inf or nan)"),
         (["--actor-lora-dim", "4", "--lora-target-modules", "nothing_matches"],
          "--lora-target-modules 'nothing_matches'"),
-        (["--unsup-dataset", "toy_task/data/test.jsonl"], "has no column 'text'; its columns are"),
         (["--enable-hybrid-engine"], "--enable-hybrid-engine needs a GPU"),
         (["--min-response-tokens", "1000"], "iteration 0: no response has --min-response-tokens 1000 real tokens"),
-    ])
+    ], tmp_path)
     result = run("ppo.py", "--actor-zero-stage", "4", check=False)
     assert "invalid choice '4' for argument '--actor-zero-stage'" in result.stderr
 
@@ -408,7 +477,7 @@ def test_reward_model_with_another_tokenizer(stages, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<|a token the actor does not have|>"])
     tokenizer.save_pretrained(other)
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--reward-model-name-or-path", str(other),
+    result, _ = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--reward-model-name-or-path", str(other),
                         check=False)
     assert "has another tokenizer than the actor" in error_of(result)
 
@@ -419,15 +488,16 @@ def test_evaluate(stages, tmp_path):
     out = tmp_path / "ppo"
     _, exp_name = run_ppo(stages, out, "--total-episodes", "16", "--snapshot-every", "1")
     assert sorted(os.listdir(out / "snapshots")) == ["iteration_1", "iteration_2"]
-    metrics_file = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")[0]
+    metrics_file = ppo.read_record(str(out / "actor"))["metrics_file"]  # the run that trained this actor
     sft = tmp_path / "sft"  # the SFT model, with a generation config that evaluate.py must not apply
     shutil.copytree(stages[1], sft)
     write_surprising_generation_config(sft)
     flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
-             "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12", "--metrics-file", metrics_file,
+             "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12",
              "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
     result = run("evaluate.py", *flags)
     assert "win rate of PPO over SFT, by the gold rule" in result.stdout
+    assert f"ppo_training.png (from {metrics_file})" in result.stdout  # found through the actor's training_run.json
     summary = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     assert summary["prompts"] == 40
     for name in ["win_rate", "gold_win_rate"]:
@@ -442,7 +512,7 @@ def test_evaluate(stages, tmp_path):
 
     flags[flags.index("--ppo-model") + 1] = str(tmp_path / "missing")
     result = run("evaluate.py", *flags, check=False)
-    assert "no model.safetensors in" in error_of(result) and "--ppo-model" in error_of(result)
+    assert "no model folder at" in error_of(result) and "--ppo-model" in error_of(result)
     read_metrics(exp_name)
 
 
@@ -556,7 +626,7 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     with ppo.adapters_disabled(model):
         assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
     ppo.save_hf_folder(types.SimpleNamespace(module=model, zero_optimization_stage=lambda: 0), tokenizer,
-                       str(tmp_path / "merged"), True)
+                       str(tmp_path / "merged"), True, {"script": "ppo.py"})
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding

@@ -8,14 +8,16 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import evaluate
@@ -172,17 +174,27 @@ def bad(tmp_path_factory):
     write_jsonl(root / "empty_prompt.jsonl", [row, {**row, "prompt": "  "}])
     write_jsonl(root / "empty_rejected.jsonl", [row, {**row, "rejected": ""}])
     (root / "data.csv").write_text("prompt,chosen,rejected\nA fine film, and,good.,bad.\n")
-    (root / "broken.jsonl").write_text('{"prompt": "A fine film, and", "chosen"\n')
+    (root / "broken.jsonl").write_text('{"prompt": "A fine film, and", "chosen": " good."}\n{"prompt": "A film", "chosen"\n')
     (root / "empty.jsonl").write_text("")
     (root / "a_file").write_text("not a folder")
+    (root / "latin1.jsonl").write_bytes('{"prompt": "Un café, and", "chosen": " good."}\n'.encode("latin-1"))
+    shutil.copytree(BASE_MODEL, root / "nan_weights")
+    weights = load_file(f"{BASE_MODEL}/model.safetensors")
+    weights[sorted(weights)[-1]].view(-1)[0] = float("nan")
+    save_file(weights, root / "nan_weights" / "model.safetensors", metadata={"format": "pt"})
     return root
 
 
-def check_errors(script, flags, cases):
-    """Run `script flags case_flags` for each (case_flags, message) case, two at a time (one per core), and check
-    that each stopped with its one-line message, not a stack trace."""
+def check_errors(script, flags, cases, out):
+    """Run `script flags case_flags` for each (case_flags, message) case, two at a time (one per core), each with an
+    output folder of its own under `out` (a case's own --output-dir comes later and wins), and check that each
+    stopped with its one-line message, not a stack trace."""
+    def run_case(numbered):
+        i, (case_flags, _) = numbered
+        return run(script, *flags, "--output-dir", str(out / f"case_{i}"), *case_flags, check=False)
+
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda case: run(script, *flags, *case[0], check=False), cases))
+        results = list(pool.map(run_case, enumerate(cases)))
     for (case_flags, message), result in zip(cases, results):
         assert message in error_of(result) and "Traceback" not in result.stderr, (case_flags, result.stderr[-3000:])
 
@@ -207,12 +219,13 @@ def test_sft_bad_input(bad, tmp_path):
         (lambda: sft.load_split(str(bad / "data.csv"), "train", ["prompt"]),
          "data.csv' is not a .json, .jsonl or .parquet file"),
         (lambda: sft.load_split(str(bad / "broken.jsonl"), "train", ["prompt"]),
-         "broken.jsonl' (JSON parse error: Missing a colon"),
+         "line 2 of '" + str(bad / "broken.jsonl") + "' is not valid JSON (Expecting ':' delimiter"),
         (lambda: sft.load_split(str(bad / "empty.jsonl"), "train", ["prompt"]), "empty.jsonl' is an empty file"),
+        (lambda: sft.load_split(str(bad / "latin1.jsonl"), "train", ["prompt"]), "split 'train' is not UTF-8 text"),
         (lambda: sft.load_split("toy_task/data", "dev", ["prompt"]),
          "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
         (lambda: sft.tokenize_demonstrations(one_file, tokenizer, sft.Args(), "train"),
-         "row 1 of split 'train' has an empty 'prompt'"),
+         "row 1 of split 'train', column 'prompt': empty text; fix or remove the row"),
         # One file is every split, and a slice of it works; here no row of it fits.
         (lambda: sft.tokenize_demonstrations(sft.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
                                              tokenizer, sft.Args(max_seq_len=4), "train[:64]"),
@@ -226,18 +239,17 @@ def test_sft_bad_input(bad, tmp_path):
          "cannot load a tokenizer from"),
         (lambda: sft.check_args(sft.Args(learning_rate=-1.0)), "--learning-rate must be positive, not -1.0"),
         (lambda: sft.check_args(sft.Args(num_train_epochs=0)), "--num-train-epochs must be at least 1, not 0"),
+        (lambda: sft.check_args(sft.Args(learning_rate=float("inf"))), "--learning-rate must be a finite number"),
         (lambda: sft.check_args(sft.Args(output_dir=str(bad / "a_file"))), "a_file' is a file; name a folder"),
     ])
-    check_errors("sft.py", [*FEW_STEPS, "--output-dir", str(tmp_path / "out")], [
-        (["--prompt-column", "promt"],
-         "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
-        (["--model-name-or-path", str(bad / "pickle_only")],
-         "pickle_only' has no model.safetensors; only safetensors weights are loaded (no pickle)"),
+    check_errors("sft.py", FEW_STEPS, [
         (["--max-seq-len", "1000"], "--max-seq-len 1000 is longer than the model's 128 positions"),
-        (["--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be at least 1, not 0"),
         (["--per-device-train-batch-size", "100"], "64 training rows make no optimizer step of 100 sequences"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
-    ])
+        # The output folder is checked before any model loads: never the folder that holds the inputs.
+        (["--output-dir", "."], "--output-dir '.' is or holds --model-name-or-path 'toy_task/base_model'"),
+        (["--model-name-or-path", str(bad / "nan_weights")], "has weights that are not finite (inf or nan)"),
+    ], tmp_path)
     result = run("sft.py", "--zero-stage", "4", check=False)
     assert "invalid choice '4' for argument '--zero-stage'" in result.stderr
     # On 2 ranks every rank says it (the launcher's own lines come last): 2 x 40 sequences > 64 rows.
@@ -254,7 +266,7 @@ def test_reward_model_bad_input(bad, tmp_path):
          "data.csv' is not a .json, .jsonl or .parquet file"),
         (lambda: reward_model.tokenize_pairs(reward_model.load_split(str(bad / "empty_rejected.jsonl"), "train",
                                                                      columns), tokenizer, reward_model.Args(), "train"),
-         "row 1 of split 'train' has an empty 'rejected'"),
+         "row 1 of split 'train', column 'rejected': empty text; fix or remove the row"),
         (lambda: reward_model.check_model_folder(str(bad / "nothing"), "check --model-name-or-path"),
          "no model folder at"),
         (lambda: reward_model.check_model_folder(str(bad / "empty_folder"), "check --model-name-or-path"),
@@ -266,13 +278,14 @@ def test_reward_model_bad_input(bad, tmp_path):
         (lambda: reward_model.check_args(reward_model.Args(output_dir=str(bad / "a_file"))),
          "a_file' is a file; name a folder"),
     ])
-    check_errors("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--output-dir", str(tmp_path)], [
+    check_errors("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL], [
         (["--rejected-column", "worse"], "has no column ['worse']"),
+        (["--output-dir", BASE_MODEL], "is or holds --model-name-or-path"),
         (["--model-name-or-path", str(bad / "pickle_only")],
          "has no model.safetensors; only safetensors weights are loaded"),
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
-    ])
+    ], tmp_path)
     result = run("reward_model.py", "--zero-stage", "4", check=False)
     assert "invalid choice '4' for argument '--zero-stage'" in result.stderr
 
@@ -298,3 +311,123 @@ def test_tokenizer_without_pad_token_gets_one(tmp_path):
     saved = check_tokenizer(str(tmp_path / "sft"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     assert model.get_input_embeddings().num_embeddings >= len(saved)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reliability: the user's folders, one run per folder, ranks that outlive their launcher, damaged or misnamed
+# weights, data cells that are not text or that spell a special token. The functions are the same in every stage.
+# ---------------------------------------------------------------------------------------------------------------
+def test_an_output_folder_is_never_destroyed(tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    check_stops([
+        (lambda: sft.claim_output_dir(".", {"--dataset": "toy_task/data"}, True),
+         "--output-dir '.' is or holds --dataset 'toy_task/data', which this run reads"),
+        (lambda: reward_model.claim_output_dir("toy_task/base_model", {"--model-name-or-path": "toy_task/base_model"},
+                                               True), "is or holds --model-name-or-path"),
+        (lambda: sft.claim_output_dir(str(notes), {}, False),
+         "is not empty and holds no earlier output of sft.py; name a new or empty folder, or pass --overwrite"),
+        (lambda: sft.claim_output_dir("/proc/x", {}, False), "cannot write to --output-dir '/proc/x'"),
+    ])
+    assert os.listdir(notes) == ["notes.txt"]
+    # With --overwrite the model is written beside the user's file, and a stale weights file of another layout (here a
+    # shard of an earlier save) goes, so that from_pretrained cannot mix it in.
+    (notes / "model-00001-of-00002.safetensors").write_text("stale")
+    sft.claim_output_dir(str(notes), {}, True)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
+    sft.save_model_folder(model, tokenizer, str(notes), {"script": "sft.py", "finished": True})
+    assert (notes / "notes.txt").read_text() == "mine" and not (notes / "model-00001-of-00002.safetensors").exists()
+    assert not (notes / ".saving").exists() and sft.read_record(str(notes))["finished"]
+    AutoModelForCausalLM.from_pretrained(notes)
+    # One run per folder: while the lock's holder (this process) lives, another run is refused; the folder now holds
+    # an output of sft.py, which reward_model.py does not replace.
+    check_stops([
+        (lambda: sft.claim_output_dir(str(notes), {}, False),
+         f"is in use by another run (pid {os.getpid()} on {socket.gethostname()})"),
+        (lambda: reward_model.claim_output_dir(str(notes), {}, False), "holds no earlier output of reward_model.py"),
+    ])
+    # A lock left by a run that was killed is taken over.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (notes / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")
+    sft.claim_output_dir(str(notes), {}, False)
+    assert (notes / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
+def test_every_rank_stops_when_one_dies(tmp_path):
+    """Rank 1 killed in the middle of training: rank 0 and the launcher end within seconds, not at a collective's
+    half-hour timeout. (A killed launcher is test_ppo's kill-and-resume test.)"""
+    out = tmp_path / "sft"
+    process = subprocess.Popen([*launcher(2), "sft.py", *FEW_STEPS, "--num-train-epochs", "1000", "--output-dir",
+                                str(out)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        if "optimizer steps" in line:  # training has started
+            break
+    (rank_1,) = [pid for pid, command in processes_with(str(out)).items() if "--local_rank=1" in command]
+    os.kill(rank_1, signal.SIGKILL)
+    start = time.time()
+    process.communicate(timeout=60)
+    while processes_with(str(out)) and time.time() < start + 30:
+        time.sleep(0.2)
+    assert process.returncode != 0 and not processes_with(str(out)), processes_with(str(out))
+    assert time.time() - start < 15
+
+
+def processes_with(text):
+    """{pid: command line} of this machine's processes whose command line holds `text`."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+        except OSError:
+            continue
+        if text in command and int(pid) != os.getpid():
+            found[int(pid)] = command
+    return found
+
+
+def test_data_cells_that_are_not_text_and_text_that_spells_a_special_token():
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    eos = tokenizer.eos_token  # "<|endoftext|>", as a web page about tokenizers may well contain
+    rows = [{"prompt": f"A film about {eos} and", "chosen": f" good {eos} fun.", "rejected": " bad."}]
+    (example,) = sft.tokenize_demonstrations(rows, tokenizer, sft.Args(max_seq_len=128), "train")
+    (pair,) = reward_model.tokenize_pairs(rows, tokenizer, reward_model.Args(max_seq_len=128), "train")
+    for ids in [example["input_ids"], pair["chosen"], pair["rejected"]]:
+        assert ids.count(tokenizer.eos_token_id) == 1 and ids[-1] == tokenizer.eos_token_id  # only the one appended
+    assert tokenizer.decode(example["input_ids"][:-1]).count(eos) == 2  # the text is still there, as text
+    check_stops([
+        (lambda: sft.text_of({"prompt": None}, 3, "prompt", "train"),
+         "row 3 of split 'train', column 'prompt': empty (null); fix or remove the row"),
+        (lambda: sft.text_of({"prompt": [{"role": "user", "content": "hi"}]}, 4, "prompt", "train"),
+         "row 4 of split 'train', column 'prompt': a value of type list, not text"),
+        (lambda: reward_model.text_of({"chosen": 5}, 0, "chosen", "test"),
+         "row 0 of split 'test', column 'chosen': a value of type int, not text"),
+    ])
+
+
+def test_damaged_misnamed_or_mistyped_weights_are_refused(bad, tmp_path):
+    # A reward model whose score head was saved under another name would load with a random head.
+    renamed = tmp_path / "renamed_head"
+    AutoModelForSequenceClassification.from_pretrained(BASE_MODEL, num_labels=1).save_pretrained(renamed)
+    weights = load_file(renamed / "model.safetensors")
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    truncated = tmp_path / "truncated"
+    shutil.copytree(BASE_MODEL, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    nan_model = AutoModelForCausalLM.from_pretrained(bad / "nan_weights")
+    check_stops([
+        (lambda: sft.load_pretrained(AutoModelForSequenceClassification, str(renamed), "check --reward"),
+         "weights missing from it ['score.weight'], weights in it that the model does not use ['value_head.weight']"),
+        (lambda: sft.load_pretrained(AutoModelForCausalLM, str(truncated), "check --model"),
+         f"cannot load the model in '{truncated}'"),
+        (lambda: sft.check_finite_weights(nan_model, "model 'x'"),
+         "the model 'x' has weights that are not finite (inf or nan) in 1 tensors"),
+        # A mistyped local path is reported missing, not looked up on the hub.
+        (lambda: sft.check_model_folder("chekpoints/sft", "check --model-name-or-path"),
+         "no model folder at 'chekpoints/sft'"),
+    ])
+    assert sft.is_hub_name("gpt2") and sft.is_hub_name("EleutherAI/pythia-410m")
+    assert not any(sft.is_hub_name(path) for path in ["chekpoints/sft", "checkpoints/sft", "./model", "toy_task/x"])
