@@ -69,8 +69,9 @@ class Args:
     """where the trained actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/); a
     new or empty folder, or one that ppo.py wrote before"""
     overwrite: bool = False
-    """write into a non-empty --output-dir that ppo.py did not write (files of the same names are replaced, nothing
-    else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they are deleted)"""
+    """write into a non-empty --output-dir that ppo.py did not write (files and folders of the names ppo.py writes are
+    replaced, nothing else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they
+    are deleted)"""
     track: bool = False
     """log to Weights & Biases (tensorboard logs and metrics.jsonl are always written to runs/RUN_NAME/)"""
     wandb_project_name: str = "ppo-rlhf"
@@ -1567,26 +1568,29 @@ if __name__ == "__main__":
         # A checkpoint for --resume: written to a temporary folder, flushed to disk, renamed into place once
         # complete, and only then named in `latest`. The one before it is kept, for a latest that cannot be read.
         if args.save_every and (iteration + 1) % args.save_every == 0:
-            path = os.path.join(checkpoint_dir, f"iteration_{iteration + 1}")
-            state = {"iteration": iteration + 1, "kl_coef": kl_coef, "args": asdict(args),
-                     "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
-                     "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
-            if args.enable_ema:
-                save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
-            if is_main:
-                write_json(os.path.join(path + ".tmp", "state.json"), state)
-                fsync_tree(path + ".tmp")
-                shutil.rmtree(path, ignore_errors=True)
-                os.replace(path + ".tmp", path)
-                with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
-                    f.write(os.path.basename(path))
-                fsync_tree(checkpoint_dir)
-                os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
-                fsync_tree(checkpoint_dir)
-                keep = [os.path.basename(c) for c in complete_checkpoints(checkpoint_dir)[:2]]
-                for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
-                    if old.startswith("iteration_") and old not in keep:
-                        shutil.rmtree(os.path.join(checkpoint_dir, old))
+            try:
+                path = os.path.join(checkpoint_dir, f"iteration_{iteration + 1}")
+                state = {"iteration": iteration + 1, "kl_coef": kl_coef, "args": asdict(args),
+                         "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
+                         "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
+                if args.enable_ema:
+                    save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
+                if is_main:
+                    write_json(os.path.join(path + ".tmp", "state.json"), state)
+                    fsync_tree(path + ".tmp")
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.replace(path + ".tmp", path)
+                    with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
+                        f.write(os.path.basename(path))
+                    fsync_tree(checkpoint_dir)
+                    os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
+                    fsync_tree(checkpoint_dir)
+                    keep = [os.path.basename(c) for c in complete_checkpoints(checkpoint_dir)[:2]]
+                    for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
+                        if old.startswith("iteration_") and old not in keep:
+                            shutil.rmtree(os.path.join(checkpoint_dir, old))
+            except OSError as error:  # a full disk, a folder made read-only meanwhile
+                fail(f"cannot write the checkpoint {path!r} ({error}); the one before it, if any, can be resumed from")
 
     # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
     record = {"script": "ppo.py", "run_name": run_name, "iteration": args.num_iterations, "finished": True,
