@@ -257,8 +257,8 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     while (not marker.exists() or marker.read_text() == before) and process.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     process.send_signal(sig)
-    stderr = process.communicate()[1].decode()
     killed = time.time()
+    stderr = process.communicate()[1].decode()  # returns once every rank has closed its end of the pipe
     while processes_with(str(out)) and time.time() < killed + 30:
         time.sleep(0.2)
     assert not processes_with(str(out)) and time.time() - killed < 15, "a rank outlived its launcher"
