@@ -424,7 +424,7 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
                 gradient_checkpointing: bool = False, lora_dim: int = 0, lora_learning_rate: float = 0.0):
     """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a learning-rate schedule when a
     learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward, EMA). With
-    lora_dim > 0 it gets LoRA adapters first. Every weight must load, and be finite."""
+    lora_dim > 0 it gets LoRA adapters first. Every weight must load (load_pretrained)."""
     # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -438,7 +438,6 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
         else torch.float32
     model = load_pretrained(model_class, path, f"check {flag}", config=config, dtype=dtype,
                             trust_remote_code=args.trust_remote_code)
-    check_finite_weights(model, f"model {path!r} ({flag})")
     if lora_dim:
         model = add_lora(model, lora_dim, args)
     if learning_rate is None:
@@ -810,9 +809,9 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     for flag, path in inputs.items():
         if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
             fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
+    ours = (read_record(output_dir) or {}).get("script") == script
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        record = read_record(output_dir)
-        if record is None or record.get("script") != script:
+        if not ours:
             fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script}; name a new or "
                  "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
                  "else is deleted)")
@@ -831,8 +830,13 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
             os.remove(lock)  # left by a run that was killed
         except OSError as error:
             fail(f"cannot write to --output-dir {output_dir!r} ({error.strerror}); name a folder you can write")
-    atexit.register(lambda: os.path.exists(lock) and open(lock).read() == me and os.remove(lock))
-    if read_record(output_dir) is None or read_record(output_dir).get("script") != script:
+    def release_lock():
+        with contextlib.suppress(OSError), open(lock) as f:
+            if f.read() == me:
+                os.remove(lock)
+
+    atexit.register(release_lock)
+    if not ours:
         write_json(os.path.join(output_dir, RECORD), {"script": script, "finished": False})
 
 
@@ -895,12 +899,13 @@ def watch_launcher() -> None:
             return None
 
     watched, pid = [], os.getppid()
-    while pid > 1 and parent_and_start(pid) and os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
-        watched.append((pid, parent_and_start(pid)[1]))
-        pid = parent_and_start(pid)[0]
+    while pid > 1 and (process := parent_and_start(pid)) and \
+            os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
+        watched.append((pid, process[1]))
+        pid = process[0]
 
     def watch():
-        while all(parent_and_start(pid) and parent_and_start(pid)[1] == start for pid, start in watched):
+        while all((parent_and_start(pid) or (None, None))[1] == start for pid, start in watched):
             time.sleep(1)
         print(f"{os.path.basename(__file__)}: error: rank {os.environ.get('RANK')}: the launcher that started this "
               "rank is gone; stopping", file=sys.stderr, flush=True)
@@ -981,7 +986,7 @@ def checkpoint_problem(checkpoint: str, engines: dict) -> str | None:
 def start_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads (claim_output_dir), and the run they lead to: a new
     run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed (changed_settings).
-    Returns the run's name (its runs/ folder and metrics.jsonl) and the checkpoints to resume from, newest first."""
+    Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to resume from, newest first."""
     inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
@@ -1005,7 +1010,7 @@ def start_run(args: Args) -> dict:
         if changed:
             fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its "
                  "settings (only those listed under --resume in --help may change)")
-        run_name = record["run_name"]
+        run_name, metrics_file = record["run_name"], record["metrics_file"]
     else:
         if checkpoints and not record.get("finished") and not args.overwrite:
             fail(f"{args.output_dir!r} holds checkpoints of an unfinished run ({os.path.basename(checkpoints[0])}): "
@@ -1015,11 +1020,11 @@ def start_run(args: Args) -> dict:
                 shutil.rmtree(os.path.join(args.output_dir, folder), ignore_errors=True)
         checkpoints = []
         run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-        write_json(os.path.join(args.output_dir, RECORD), {
-            "script": "ppo.py", "finished": False, "run_name": run_name,
-            "metrics_file": os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl")), "args": asdict(args)})
+        metrics_file = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
+        write_json(os.path.join(args.output_dir, RECORD), {"script": "ppo.py", "finished": False, "run_name": run_name,
+                                                            "metrics_file": metrics_file, "args": asdict(args)})
     make_run_dir(run_name)
-    return {"run_name": run_name, "checkpoints": checkpoints}
+    return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints}
 
 
 def continue_metrics_file(path: str, iteration: int) -> None:
@@ -1129,6 +1134,7 @@ if __name__ == "__main__":
     # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
     run = on_rank_0(lambda: start_run(args))
     run_name = run["run_name"]
+    saved_by = {"script": "ppo.py", "run_name": run_name, "metrics_file": run["metrics_file"]}  # in every saved folder
 
     # Tokenizer: the SFT model's, left padding for the prompts. Its pad token must not be EOS (stage 1 makes sure).
     critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
@@ -1222,6 +1228,12 @@ if __name__ == "__main__":
                          deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
     check_score_head(critic, "critic")
     check_score_head(reward, "reward model")
+    # Inf or NaN weights stop the run here. Each weights file is checked once: the reference (and the EMA) load the
+    # actor's, and the critic, unless --critic-model-name-or-path is set, the reward model's.
+    check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
+    check_finite_weights(reward.module, f"model {args.reward_model_name_or_path!r} (--reward-model-name-or-path)")
+    if critic_path != args.reward_model_name_or_path:
+        check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
     if args.enable_ema:
         # An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation
         # only: frozen, ZeRO-3 when the actor is. It stays in fp32 whatever --dtype: each step moves a weight by
@@ -1286,8 +1298,8 @@ if __name__ == "__main__":
         # A resumed run continues its own logs: the events and metrics lines after its checkpoint are dropped.
         writer = SummaryWriter(run_dir, purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        continue_metrics_file(os.path.join(run_dir, "metrics.jsonl"), start_iteration)
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        continue_metrics_file(run["metrics_file"], start_iteration)
+        metrics_file = open(run["metrics_file"], "a")
         print(f"{len(prompts)} prompts; {args.num_iterations} iterations of {args.batch_size} episodes; "
               f"logging to {run_dir}")
 
@@ -1366,10 +1378,10 @@ if __name__ == "__main__":
 
             # A forward pass that gives inf or NaN (a model broken by its weights or its precision) stops the run
             # here, before it can reach the rewards.
-            for name, x in [("actor's log-probs", logprobs), ("reference's log-probs", ref_logprobs),
-                            ("critic's values", values), ("reward model's scores", scores.unsqueeze(1))]:
-                in_mask = response_mask.bool() if x.shape == response_mask.shape else torch.ones_like(x, dtype=torch.bool)
-                if not torch.isfinite(x[in_mask]).all():
+            in_mask = response_mask.bool()
+            for name, x in [("actor's log-probs", logprobs[in_mask]), ("reference's log-probs", ref_logprobs[in_mask]),
+                            ("critic's values", values[in_mask]), ("reward model's scores", scores)]:
+                if not torch.isfinite(x).all():
                     fail(f"iteration {iteration}: the {name} are not finite (inf or nan); check that model, or use "
                          "--dtype fp32" + ("" if iteration == start_iteration else ", or lower the learning rates"))
 
@@ -1560,11 +1572,9 @@ if __name__ == "__main__":
                 Console().print(table)
 
         # A snapshot of the actor, a Hugging Face folder, for evaluate.py's over-optimisation picture.
-        record = {"script": "ppo.py", "run_name": run_name, "iteration": iteration + 1, "finished": False,
-                  "metrics_file": os.path.abspath(os.path.join(run_dir, "metrics.jsonl"))}
         if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
             save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "snapshots", f"iteration_{iteration + 1}"),
-                           is_main, record)
+                           is_main, {**saved_by, "iteration": iteration + 1, "finished": False})
         # A checkpoint for --resume: written to a temporary folder, flushed to disk, renamed into place once
         # complete, and only then named in `latest`. The one before it is kept, for a latest that cannot be read.
         if args.save_every and (iteration + 1) % args.save_every == 0:
@@ -1593,8 +1603,7 @@ if __name__ == "__main__":
                 fail(f"cannot write the checkpoint {path!r} ({error}); the one before it, if any, can be resumed from")
 
     # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
-    record = {"script": "ppo.py", "run_name": run_name, "iteration": args.num_iterations, "finished": True,
-              "metrics_file": os.path.abspath(os.path.join(run_dir, "metrics.jsonl"))}
+    record = {**saved_by, "iteration": args.num_iterations, "finished": True}
     save_hf_folder(actor, tokenizer, os.path.join(args.output_dir, "actor"), is_main, record)
     save_hf_folder(critic, tokenizer, os.path.join(args.output_dir, "critic"), is_main, record)
     if args.enable_ema:

@@ -10,6 +10,7 @@ reward model (stage 2) and of the PPO actor and reference (stage 3).
 """
 
 import atexit
+import contextlib
 import difflib
 import functools
 import json
@@ -360,9 +361,9 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     for flag, path in inputs.items():
         if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
             fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
+    ours = (read_record(output_dir) or {}).get("script") == script
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        record = read_record(output_dir)
-        if record is None or record.get("script") != script:
+        if not ours:
             fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script}; name a new or "
                  "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
                  "else is deleted)")
@@ -381,8 +382,13 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
             os.remove(lock)  # left by a run that was killed
         except OSError as error:
             fail(f"cannot write to --output-dir {output_dir!r} ({error.strerror}); name a folder you can write")
-    atexit.register(lambda: os.path.exists(lock) and open(lock).read() == me and os.remove(lock))
-    if read_record(output_dir) is None or read_record(output_dir).get("script") != script:
+    def release_lock():
+        with contextlib.suppress(OSError), open(lock) as f:
+            if f.read() == me:
+                os.remove(lock)
+
+    atexit.register(release_lock)
+    if not ours:
         write_json(os.path.join(output_dir, RECORD), {"script": script, "finished": False})
 
 
@@ -445,12 +451,13 @@ def watch_launcher() -> None:
             return None
 
     watched, pid = [], os.getppid()
-    while pid > 1 and parent_and_start(pid) and os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
-        watched.append((pid, parent_and_start(pid)[1]))
-        pid = parent_and_start(pid)[0]
+    while pid > 1 and (process := parent_and_start(pid)) and \
+            os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
+        watched.append((pid, process[1]))
+        pid = process[0]
 
     def watch():
-        while all(parent_and_start(pid) and parent_and_start(pid)[1] == start for pid, start in watched):
+        while all((parent_and_start(pid) or (None, None))[1] == start for pid, start in watched):
             time.sleep(1)
         print(f"{os.path.basename(__file__)}: error: rank {os.environ.get('RANK')}: the launcher that started this "
               "rank is gone; stopping", file=sys.stderr, flush=True)

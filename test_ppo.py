@@ -347,7 +347,8 @@ def test_resume_continues_only_the_run_it_claims(tmp_path):
         (lambda: start(resume=True, output_dir=str(tmp_path / "empty")), "--resume: no run of ppo.py in"),
     ])
     resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3)  # settings that may change
-    assert resumed == {"run_name": first["run_name"], "checkpoints": [str(out / "resume" / "iteration_2")]}
+    assert resumed == {"run_name": first["run_name"], "metrics_file": first["metrics_file"],
+                       "checkpoints": [str(out / "resume" / "iteration_2")]}
     ppo.write_json(str(out / "training_run.json"), {**ppo.read_record(str(out)), "finished": True})
     check_stops([(lambda: start(resume=True), "has finished all its iterations; nothing to resume")])
     ppo.write_json(str(out / "training_run.json"), {**ppo.read_record(str(out)), "finished": False})
