@@ -154,20 +154,23 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
 
-def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset:
-    """One split of a hub data set or of local .json/.jsonl/.parquet files, checked for the columns we need."""
+def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
+               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
+    """One split of a hub data set (config: its configuration name, if it has several) or of a local file or folder,
+    checked for the columns we need; a one-line error that names the flag to fix otherwise."""
+    kinds = f"{', '.join(extensions[:-1])} or {extensions[-1]}"
     if not os.path.exists(dataset) and not is_hub_name(dataset):
-        fail(f"no data set at {dataset!r}; check --dataset")
-    if os.path.isfile(dataset) and not dataset.endswith((".json", ".jsonl", ".parquet")):
-        fail(f"--dataset {dataset!r} is not a .json, .jsonl or .parquet file")
+        fail(f"no data set at {dataset!r}; check {flag}")
+    if os.path.isfile(dataset) and not dataset.endswith(extensions):
+        fail(f"{flag} {dataset!r} is not a {kinds} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
-        fail(f"--dataset {dataset!r} is an empty file")
+        fail(f"{flag} {dataset!r} is an empty file")
     try:
         if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
-            kind = "parquet" if dataset.endswith(".parquet") else "json"
+            kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
             data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
         else:
-            data = datasets.load_dataset(dataset, split=split)
+            data = datasets.load_dataset(dataset, config, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
         error = error.__cause__ or error  # the generation error's cause says which row is malformed
         if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
@@ -178,7 +181,7 @@ def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset
                     except ValueError as bad:
                         fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
         fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
-             "--dataset (a UTF-8 .json, .jsonl or .parquet file) and the split flags")
+             f"{flag} (a UTF-8 {kinds} file) and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
         fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
@@ -197,6 +200,25 @@ def text_of(row: dict, i: int, column: str, split: str) -> str:
     if problem:
         fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
     return value
+
+
+def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool) -> list:
+    """The token ids of every prompt of a split that fits max_prompt_len: a longer prompt is dropped, never truncated,
+    and the dropped ones are counted (on rank 0)."""
+    data = load_split(dataset, split, [column])
+    prompts, too_long = [], 0
+    for i, row in enumerate(data):
+        # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
+        ids = tokenizer(text_of(row, i, column, split), split_special_tokens=True)["input_ids"]
+        if len(ids) > max_prompt_len:
+            too_long += 1
+        else:
+            prompts.append(ids)
+    if too_long and is_main:
+        print(f"dropped {too_long} of {len(data)} prompts longer than --max-prompt-len {max_prompt_len}")
+    if not prompts:
+        fail(f"no prompt of split {split!r} fits --max-prompt-len {max_prompt_len}; raise it")
+    return prompts
 
 
 RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
@@ -477,17 +499,7 @@ if __name__ == "__main__":
     for path, flag in [(args.ppo_model, "--ppo-model"), (args.reward_model, "--reward-model")]:
         if load_tokenizer(path, f"check {flag}", args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
             fail(f"{path!r} has another tokenizer than the SFT model {args.sft_model!r}; check {flag}")
-    data = load_split(args.dataset, args.split, [args.prompt_column])
-    if len(data) == 0:
-        fail(f"split {args.split!r} of data set {args.dataset!r} has no rows; check --dataset and --split")
-    texts = [text_of(row, i, args.prompt_column, args.split) for i, row in enumerate(data)]
-    # split_special_tokens: data text that spells a special token ("<|endoftext|>") stays text, as in the stages.
-    prompts = [ids for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
-               if 0 < len(ids) <= args.max_prompt_len]
-    if not prompts:
-        fail(f"no prompt of split {args.split!r} fits --max-prompt-len {args.max_prompt_len}")
-    if len(prompts) < len(data):
-        print(f"left out {len(data) - len(prompts)} of {len(data)} prompts longer than --max-prompt-len")
+    prompts = load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True)
 
     sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
     ppo = load_model(AutoModelForCausalLM, args.ppo_model, "check --ppo-model", args, device)

@@ -198,20 +198,23 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
 
-def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset:
-    """One split of a hub data set or of local .json/.jsonl/.parquet files, checked for the columns we need."""
+def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
+               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
+    """One split of a hub data set (config: its configuration name, if it has several) or of a local file or folder,
+    checked for the columns we need; a one-line error that names the flag to fix otherwise."""
+    kinds = f"{', '.join(extensions[:-1])} or {extensions[-1]}"
     if not os.path.exists(dataset) and not is_hub_name(dataset):
-        fail(f"no data set at {dataset!r}; check --dataset")
-    if os.path.isfile(dataset) and not dataset.endswith((".json", ".jsonl", ".parquet")):
-        fail(f"--dataset {dataset!r} is not a .json, .jsonl or .parquet file")
+        fail(f"no data set at {dataset!r}; check {flag}")
+    if os.path.isfile(dataset) and not dataset.endswith(extensions):
+        fail(f"{flag} {dataset!r} is not a {kinds} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
-        fail(f"--dataset {dataset!r} is an empty file")
+        fail(f"{flag} {dataset!r} is an empty file")
     try:
         if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
-            kind = "parquet" if dataset.endswith(".parquet") else "json"
+            kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
             data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
         else:
-            data = datasets.load_dataset(dataset, split=split)
+            data = datasets.load_dataset(dataset, config, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
         error = error.__cause__ or error  # the generation error's cause says which row is malformed
         if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
@@ -222,7 +225,7 @@ def load_split(dataset: str, split: str, columns: list[str]) -> datasets.Dataset
                     except ValueError as bad:
                         fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
         fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
-             "--dataset (a UTF-8 .json, .jsonl or .parquet file) and the split flags")
+             f"{flag} (a UTF-8 {kinds} file) and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
         fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
@@ -278,22 +281,28 @@ def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v) for k, v in batch.items()}
 
 
-def deepspeed_config(args: Args) -> dict:
-    """The DeepSpeed config of a trained model (optimizer and scheduler are passed to deepspeed.initialize)."""
-    zero = {"stage": args.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
-    if args.offload:
+def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
+    """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
+    scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
+    # DeepSpeed-Chat's threshold: ZeRO-3 keeps parameters under 10k elements (norms, biases) whole on every rank.
+    # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
+    # whole process and every model in it, with a slower autograd function.
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 1e4, "memory_efficient_linear": False}
+    if offload and trained:
         zero["offload_optimizer"] = {"device": "cpu"}
-        if args.zero_stage == 3:
-            zero["offload_param"] = {"device": "cpu"}
-    return {
+    if offload and stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "gradient_clipping": args.gradient_clipping,
         "zero_optimization": zero,
         "bf16": {"enabled": args.dtype == "bf16"},
         "fp16": {"enabled": args.dtype == "fp16"},
         "steps_per_print": 10**9,
     }
+    if trained:
+        config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        config["gradient_clipping"] = args.gradient_clipping
+    return config
 
 
 @torch.no_grad()
@@ -316,8 +325,8 @@ def evaluate(engine, loader, device) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Output folder, lock and launcher watch: plumbing that keeps a run from destroying a user's files or outliving its
-# launcher (README detail 40). The same functions in every stage.
+# Output folder, lock and launcher watch: plumbing that keeps a run from destroying a user's files or outliving
+# its launcher (docs/implementation_details.md, detail 40). The same functions in every stage.
 # ---------------------------------------------------------------------------------------------------------------
 RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
 
@@ -475,15 +484,16 @@ def check_finite_args(args) -> None:
             fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
 
 
-def save_model_folder(model, tokenizer, output_dir: str, record: dict) -> None:
-    """The trained model as an ordinary Hugging Face folder: safetensors, tokenizer and training_run.json. Written in
-    OUTPUT_DIR/.saving, flushed to disk, then moved into place file by file, so that a run killed while saving leaves
-    the earlier model whole; weight files of an earlier save that this one does not write are removed, so that
-    from_pretrained cannot mix them in. Under ZeRO-3 the caller gathers the weights first."""
+def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
+    """The model as an ordinary Hugging Face folder: safetensors (state_dict, or the model's own), tokenizer and
+    training_run.json. Written in OUTPUT_DIR/.saving, flushed to disk, then moved into place file by file, so that a
+    run killed while saving leaves the earlier model whole; weight files of an earlier save that this one does not
+    write are removed, so that from_pretrained cannot mix them in. Under ZeRO-3 the caller gathers the weights."""
     try:
+        os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, ".saving")
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         write_json(os.path.join(staging, RECORD), record)
         fsync_tree(staging)
@@ -586,7 +596,7 @@ if __name__ == "__main__":
 
     # Model. Under ZeRO-3, HfDeepSpeedConfig (kept alive until deepspeed.initialize) makes from_pretrained load the
     # weights already partitioned across ranks, so no rank ever holds the whole model.
-    ds_config = deepspeed_config(args)
+    ds_config = deepspeed_config(args.zero_stage, True, args.offload, args)
     hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero_stage == 3 else None  # noqa: F841
     config = AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     if args.max_seq_len > getattr(config, "max_position_embeddings", args.max_seq_len):

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import safetensors.torch
@@ -434,16 +433,16 @@ def test_ppo_bad_input(stages, bad, tmp_path):
         ({"inference_tp_size": 2}, "--inference-tp-size above 1 needs --enable-hybrid-engine"),
     ]])
     check_stops([
-        (lambda: ppo.load_split(str(bad / "data.csv"), "train", "prompt", "--dataset", "--train-split"),
+        (lambda: ppo.load_split(str(bad / "data.csv"), "train", ["prompt"]),
          "data.csv' is not a .json, .jsonl or .parquet file"),
-        (lambda: ppo.load_split("toy_task/data", "train", "promt", "--dataset", "--train-split"),
-         "has no column 'promt'; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
-        (lambda: ppo.load_split("toy_task/data", "validation", "prompt", "--dataset", "--train-split"),
+        (lambda: ppo.load_split("toy_task/data", "train", ["promt"]),
+         "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
+        (lambda: ppo.load_split("toy_task/data", "validation", ["prompt"]),
          "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
-        (lambda: ppo.load_split(str(tmp_path / "missing.txt"), "train", "text", "--unsup-dataset",
-                                "--unsup-dataset-config", extensions=(".txt", ".json", ".jsonl", ".parquet")),
+        (lambda: ppo.load_split(str(tmp_path / "missing.txt"), "train", ["text"], "--unsup-dataset",
+                                extensions=(".txt", ".json", ".jsonl", ".parquet")),
          "no data set at"),
-        (lambda: ppo.load_split(str(bad / "data.csv"), "train", "text", "--unsup-dataset", "--unsup-dataset-config",
+        (lambda: ppo.load_split(str(bad / "data.csv"), "train", ["text"], "--unsup-dataset",
                                 extensions=(".txt", ".json", ".jsonl", ".parquet")),
          "is not a .txt, .json, .jsonl or .parquet file"),
         (lambda: ppo.check_model_folder(str(bad / "empty_folder"), "run sft.py first or check --actor-model-name-or-path"),
@@ -606,7 +605,7 @@ def test_lora_trains_only_the_adapters(stages, tmp_path):
 
 
 def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
-    """ppo.save_hf_folder folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
+    """ppo.merged_state_dict folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
     the log-probs of the model with adapters."""
     tokenizer = AutoTokenizer.from_pretrained(stages[1])
     model = ppo.add_lora(AutoModelForCausalLM.from_pretrained(stages[1]), 4, ppo.Args())
@@ -626,8 +625,7 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     adapter_logprobs = logprobs(model)
     with ppo.adapters_disabled(model):
         assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
-    ppo.save_hf_folder(types.SimpleNamespace(module=model, zero_optimization_stage=lambda: 0), tokenizer,
-                       str(tmp_path / "merged"), True, {"script": "ppo.py"})
+    ppo.save_model_folder(model, tokenizer, str(tmp_path / "merged"), {"script": "ppo.py"}, ppo.merged_state_dict(model))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
@@ -699,3 +697,64 @@ def test_align_overflow_skips_both_steps(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         lines = [line for line in result.stdout.splitlines() if line.startswith("zero ")]
         assert lines == [f"zero {stage}: {skipped}" for stage in range(4)], result.stdout[-2000:]
+
+
+GATHERED_SCRIPT = """
+import os, sys, torch, deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from transformers import AutoModelForCausalLM
+import ppo
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+args = ppo.Args(per_device_train_batch_size=2, num_iterations=1)
+args.gradient_accumulation_steps = 1
+ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+
+
+def engine(trained):
+    torch.manual_seed(0)
+    return ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model",
+                           ppo.deepspeed_config(3, trained, False, args), args, 1e-2 if trained else None)
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+for trained in (False, True):
+    model = engine(trained)
+    before = logits(model)
+    coordinator = getattr(model.optimizer, "parameter_offload", model.optimizer)
+    hooks = len(coordinator.forward_hooks)
+    partitioned = [p for p in model.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    assert partitioned and hooks
+    with ppo.gathered(model, True):
+        assert all(p.ds_status == ZeroParamStatus.AVAILABLE and p.numel() == p.ds_numel
+                   for p in model.module.parameters()), "not every weight is whole"
+        inside = logits(model)
+        assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in model.module.parameters()), "a hook released one"
+    assert torch.equal(inside, before), "a forward pass on the gathered weights differs"
+    assert len(coordinator.forward_hooks) == hooks, "the hooks did not come back"
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in partitioned), "not back to the shards"
+    if trained:  # an optimizer step after a gathered rollout is the step without one
+        other = engine(True)
+        for m in (model, other):
+            m.backward(m(input_ids=ids, labels=ids).loss)
+            m.step()
+        assert torch.equal(logits(model), logits(other)), "the update after gathering differs"
+    print(f"trained={trained}: ok")
+"""
+
+
+def test_gathered_rollout_weights_are_whole_and_hooks_come_back(tmp_path):
+    """ppo.gathered, which reaches into DeepSpeed's private ZeRO-3 hooks: inside it every weight of a frozen and of a
+    trained ZeRO-3 engine is whole and stays whole through a forward pass (no hook partitions it again), with the
+    same outputs; after it the weights are back in their shards, the hooks are back, and an optimizer step gives
+    what it gives without the gathering. A DeepSpeed release that renames those attributes fails here."""
+    script = tmp_path / "gathered.py"
+    script.write_text(GATHERED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
+                            env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["trained=False: ok", "trained=True: ok"], result.stdout[-2000:]

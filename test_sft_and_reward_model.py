@@ -7,13 +7,13 @@ checked. The bad-input tests check that each mistake stops the script with a one
 import json
 import math
 import os
+import runpy
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -185,18 +185,40 @@ def bad(tmp_path_factory):
     return root
 
 
-def check_errors(script, flags, cases, out):
-    """Run `script flags case_flags` for each (case_flags, message) case, two at a time (one per core), each with an
-    output folder of its own under `out` (a case's own --output-dir comes later and wins), and check that each
-    stopped with its one-line message, not a stack trace."""
-    def run_case(numbered):
-        i, (case_flags, _) = numbered
-        return run(script, *flags, "--output-dir", str(out / f"case_{i}"), *case_flags, check=False)
+def run_in_process(script, argv):
+    """`python script argv` run in this process (runpy), as its __main__, to the error it must stop with: no process
+    start per case. Returns the message of the SystemExit it raised. What the script changes for a one-rank run (the
+    environment, signal handlers, sys.argv) is restored; the one-rank process group it starts stays for the next."""
+    saved_env, saved_argv = dict(os.environ), sys.argv
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        return str(stop)
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    raise AssertionError(f"{script} {' '.join(argv)} did not stop")
 
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run_case, enumerate(cases)))
-    for (case_flags, message), result in zip(cases, results):
-        assert message in error_of(result) and "Traceback" not in result.stderr, (case_flags, result.stderr[-3000:])
+
+def check_errors(script, flags, cases, out):
+    """Run `script flags case_flags` for each (case_flags, message) case, each with an output folder of its own under
+    `out` (a case's own --output-dir comes later and wins), and check that each stopped with its one-line message.
+    The first case runs as a user runs it, in a process of its own, whose last line on stderr must be the message
+    with no stack trace before it; the others run in this process (run_in_process), where any other exception fails
+    the test."""
+    for i, (case_flags, message) in enumerate(cases):
+        argv = [*flags, "--output-dir", str(out / f"case_{i}"), *case_flags]
+        if i == 0:
+            result = run(script, *argv, check=False)
+            assert message in error_of(result) and "Traceback" not in result.stderr, (case_flags, result.stderr[-3000:])
+        else:
+            error = run_in_process(script, argv)
+            assert message in error, (case_flags, error)
 
 
 def check_stops(cases):
