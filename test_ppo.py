@@ -18,6 +18,7 @@ import time
 import pytest
 import safetensors.torch
 import torch
+import tyro
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel)
 
@@ -25,8 +26,8 @@ import ppo
 import rlhf_math
 from ppo import response_logits
 # bad is a pytest fixture, used by name
-from test_sft_and_reward_model import (ENV, FEW_STEPS, bad, check_errors, check_stops, error_of,  # noqa: F401
-                                       free_port, launcher, processes_with, run)
+from test_sft_and_reward_model import (ENV, FEW_STEPS, bad, check_errors, check_stops,  # noqa: F401
+                                       free_port, launcher, processes_with, run, run_in_process)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
@@ -51,6 +52,16 @@ def run_ppo(stages, out, *flags, ranks=None, check=True):
     result = run("ppo.py", *stages, *FEW_ITERATIONS, "--output-dir", str(out), "--exp-name", exp_name, *flags,
                  ranks=ranks, check=check)
     return result, exp_name
+
+
+def ppo_error(stages, out, *flags):
+    """The one-line error ppo.py stops with, run in this process (run_in_process) with run_ppo's flags."""
+    exp_name = f"test_{os.path.basename(out)}"
+    error = run_in_process("ppo.py", [*stages, *FEW_ITERATIONS, "--output-dir", str(out), "--exp-name", exp_name,
+                                      *flags])
+    for old in glob.glob(f"runs/{exp_name}__*"):
+        shutil.rmtree(old)
+    return error
 
 
 def read_metrics(exp_name):
@@ -276,11 +287,12 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     the EMA and LoRA adapters (on one rank) or the EMA under ZeRO-3 in bf16 (on two) end where they would have. On
     one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
     one metrics file, with every iteration logged once."""
-    flags = ["--total-episodes", str(64 * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
+    iterations = 6  # of 8 prompts per rank
+    flags = ["--total-episodes", str(8 * iterations * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
     out = tmp_path / "straight"
     _, exp_name = run_ppo(stages, out, *flags, ranks=ranks)
     uninterrupted = read_metrics(exp_name)
-    check_metrics(uninterrupted, 8)
+    check_metrics(uninterrupted, iterations)
     check_actor_trained(out, stages)
 
     out, exp_name, done = tmp_path / "killed", f"test_killed_{ranks}", 0
@@ -305,9 +317,9 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     assert f"resumed from {out / 'resume' / f'iteration_{done}'} at iteration {done}" in result.stdout
     if len(sigs) > 1:
         assert f"cannot resume from {out / 'resume' / f'iteration_{done + 2}'} (actor/model.safetensors" in result.stdout
-    assert sorted(os.listdir(out / "resume")) == ["iteration_6", "iteration_8", "latest"]
+    assert sorted(os.listdir(out / "resume")) == [f"iteration_{iterations - 2}", f"iteration_{iterations}", "latest"]
     resumed = run_metrics(out)
-    assert [m["iteration"] for m in resumed] == list(range(1, 9))  # one file, each iteration once
+    assert [m["iteration"] for m in resumed] == list(range(1, iterations + 1))  # one file, each iteration once
     for after in resumed:
         before = uninterrupted[after["iteration"] - 1]
         for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
@@ -368,10 +380,10 @@ def test_first_ratio_check_catches_dropout(stages, tmp_path):
     shutil.copytree(stages[1], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
-    flags = ["--total-episodes", "16", "--actor-model-name-or-path", str(model_dir)]
-    result, _ = run_ppo(stages, tmp_path / "dropout", *flags, "--no-disable-dropout", check=False)
-    assert "iteration 0: before the first optimizer step the PPO ratio is not exactly 1" in error_of(result)
-    run_ppo(stages, tmp_path / "no_dropout", *flags)  # dropout disabled, as by default: the ratio is exactly 1
+    # (With dropout disabled, as by default, every fp32 run of this file passes the same check.)
+    error = ppo_error(stages, tmp_path / "dropout", "--total-episodes", "16", "--actor-model-name-or-path",
+                      str(model_dir), "--no-disable-dropout")
+    assert "iteration 0: before the first optimizer step the PPO ratio is not exactly 1" in error
 
 
 def write_surprising_generation_config(folder):
@@ -408,12 +420,12 @@ def test_invalid_rows_in_the_first_micro_batch_pass_the_ratio_check(stages, tmp_
 
 
 def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
-    result, _ = run_ppo(stages, tmp_path, "--total-episodes", "16", "--actor-learning-rate", "1e30",
-                        "--critic-learning-rate", "1e30", check=False)
-    assert "_avg is nan; lower the learning rates" in error_of(result)
+    error = ppo_error(stages, tmp_path / "out", "--total-episodes", "16", "--actor-learning-rate", "1e30",
+                      "--critic-learning-rate", "1e30")
+    assert "_avg is nan; lower the learning rates" in error
 
 
-def test_ppo_bad_input(stages, bad, tmp_path):
+def test_ppo_bad_input(stages, bad, tmp_path, capsys):
     shutil.copytree(stages[3], bad / "nan_weights_rm", dirs_exist_ok=True)  # a reward model with a NaN weight
     weights = safetensors.torch.load_file(bad / "nan_weights_rm" / "model.safetensors")
     weights["score.weight"].view(-1)[0] = float("nan")
@@ -467,8 +479,9 @@ def test_ppo_bad_input(stages, bad, tmp_path):
         (["--enable-hybrid-engine"], "--enable-hybrid-engine needs a GPU"),
         (["--min-response-tokens", "1000"], "iteration 0: no response has --min-response-tokens 1000 real tokens"),
     ], tmp_path)
-    result = run("ppo.py", "--actor-zero-stage", "4", check=False)
-    assert "invalid choice '4' for argument '--actor-zero-stage'" in result.stderr
+    with pytest.raises(SystemExit):
+        tyro.cli(ppo.Args, args=["--actor-zero-stage", "4"])
+    assert "invalid choice '4' for argument '--actor-zero-stage'" in capsys.readouterr().err
 
 
 def test_reward_model_with_another_tokenizer(stages, tmp_path):
@@ -477,9 +490,8 @@ def test_reward_model_with_another_tokenizer(stages, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<|a token the actor does not have|>"])
     tokenizer.save_pretrained(other)
-    result, _ = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--reward-model-name-or-path", str(other),
-                        check=False)
-    assert "has another tokenizer than the actor" in error_of(result)
+    error = ppo_error(stages, tmp_path / "out", "--total-episodes", "16", "--reward-model-name-or-path", str(other))
+    assert "has another tokenizer than the actor" in error
 
 
 def test_evaluate(stages, tmp_path):
@@ -511,8 +523,8 @@ def test_evaluate(stages, tmp_path):
         assert (tmp_path / "eval" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     flags[flags.index("--ppo-model") + 1] = str(tmp_path / "missing")
-    result = run("evaluate.py", *flags, check=False)
-    assert "no model folder at" in error_of(result) and "--ppo-model" in error_of(result)
+    error = run_in_process("evaluate.py", flags)
+    assert "no model folder at" in error and "--ppo-model" in error
     read_metrics(exp_name)
 
 

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+import tyro
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -231,7 +232,7 @@ def check_stops(cases):
         assert message in str(stop.value), (message, str(stop.value))
 
 
-def test_sft_bad_input(bad, tmp_path):
+def test_sft_bad_input(bad, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
     one_file = sft.load_split(str(bad / "empty_prompt.jsonl"), "train", ["prompt", "chosen"])
     check_stops([
@@ -272,15 +273,16 @@ def test_sft_bad_input(bad, tmp_path):
         (["--output-dir", "."], "--output-dir '.' is or holds --model-name-or-path 'toy_task/base_model'"),
         (["--model-name-or-path", str(bad / "nan_weights")], "has weights that are not finite (inf or nan)"),
     ], tmp_path)
-    result = run("sft.py", "--zero-stage", "4", check=False)
-    assert "invalid choice '4' for argument '--zero-stage'" in result.stderr
+    with pytest.raises(SystemExit):
+        tyro.cli(sft.Args, args=["--zero-stage", "4"])
+    assert "invalid choice '4' for argument '--zero-stage'" in capsys.readouterr().err
     # On 2 ranks every rank says it (the launcher's own lines come last): 2 x 40 sequences > 64 rows.
     result = run("sft.py", *FEW_STEPS, "--per-device-train-batch-size", "40", "--output-dir", str(tmp_path / "out"),
                  ranks=2, check=False)
     assert result.returncode != 0 and "64 training rows make no optimizer step of 80 sequences" in result.stderr
 
 
-def test_reward_model_bad_input(bad, tmp_path):
+def test_reward_model_bad_input(bad, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
     columns = ["prompt", "chosen", "rejected"]
     check_stops([
@@ -308,16 +310,17 @@ def test_reward_model_bad_input(bad, tmp_path):
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
     ], tmp_path)
-    result = run("reward_model.py", "--zero-stage", "4", check=False)
-    assert "invalid choice '4' for argument '--zero-stage'" in result.stderr
+    with pytest.raises(SystemExit):
+        tyro.cli(reward_model.Args, args=["--zero-stage", "4"])
+    assert "invalid choice '4' for argument '--zero-stage'" in capsys.readouterr().err
 
 
 def test_too_long_rows_are_dropped_and_counted(tmp_path):
     result = run("sft.py", *FEW_STEPS, "--max-seq-len", "24", "--output-dir", str(tmp_path / "sft"))
     assert "longer than --max-seq-len 24" in result.stdout
-    result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--max-seq-len", "4",
-                 "--output-dir", str(tmp_path / "rm"), check=False)
-    assert "fits --max-seq-len 4; raise it" in error_of(result)
+    error = run_in_process("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL, "--max-seq-len", "4",
+                                               "--output-dir", str(tmp_path / "rm")])
+    assert "fits --max-seq-len 4; raise it" in error
 
 
 def test_tokenizer_without_pad_token_gets_one(tmp_path):
