@@ -287,7 +287,7 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     the EMA and LoRA adapters (on one rank) or the EMA under ZeRO-3 in bf16 (on two) end where they would have. On
     one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
     one metrics file, with every iteration logged once."""
-    iterations = 8  # of 8 prompts per rank
+    iterations = 6  # of 8 prompts per rank
     flags = ["--total-episodes", str(8 * iterations * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
     out = tmp_path / "straight"
     _, exp_name = run_ppo(stages, out, *flags, ranks=ranks)
