@@ -31,7 +31,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import rlhf_math
-from ppo import response_logprobs, reward_scores, sampling_config
+from ppo import response_logprobs, reward_model_inputs, reward_scores, sampling_config
 from toy_task.gold_judge import gold_score
 
 
@@ -120,16 +120,19 @@ def check_model_folder(path: str, hint: str) -> None:
         fail(f"{path!r} has no model weights (model.safetensors); {hint}")
 
 
-def load_pretrained(model_class, path: str, hint: str, allowed_missing: tuple = (), **kwargs):
+def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
     """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
     the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    allowed_missing: name prefixes that may start fresh (the reward model's new score head)."""
+    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
+    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
+    checkpoint or left unused in it."""
     try:
         model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
-    missing = sorted(name for name in info["missing_keys"] if not name.startswith(allowed_missing))
-    unexpected = sorted(info["unexpected_keys"])
+    checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
+    missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
+    unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
     if missing or unexpected:
         fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
              f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
@@ -349,11 +352,12 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 @torch.no_grad()
-def answer(policy, sft, reward, tokenizer, prompts: list[list[int]], generation_config, args: Args,
-           reward_mean: float, reward_std: float, device) -> dict[str, list]:
+def answer(policy, sft, reward, tokenizer, reward_tokenizer, prompts: list[list[int]], generation_config,
+           args: Args, reward_mean: float, reward_std: float, device) -> dict[str, list]:
     """Sample one response per prompt from `policy` as ppo.py does, and measure it: the normalized reward-model score,
     the gold score (None where the text does not parse), the length in tokens (EOS included), and the KL to the SFT
-    policy (the sum over the response of log pi - log pi_sft, the k1 estimate behind objective/kl)."""
+    policy (the sum over the response of log pi - log pi_sft, the k1 estimate behind objective/kl). reward_tokenizer:
+    the reward model's, when it is another than the policies' (else None)."""
     result = {"responses": [], "scores": [], "gold": [], "lengths": [], "kl": []}
     for start in range(0, len(prompts), args.batch_size):
         padded = tokenizer.pad({"input_ids": prompts[start : start + args.batch_size]}, return_tensors="pt")
@@ -368,7 +372,8 @@ def answer(policy, sft, reward, tokenizer, prompts: list[list[int]], generation_
         responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
         sequences = torch.cat([prompt_ids, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        result["scores"] += reward_scores(reward, sequences, attention_mask, P, reward_mean, reward_std).tolist()
+        scored = reward_model_inputs(sequences, attention_mask, P, tokenizer, reward_tokenizer)  # its own tokens
+        result["scores"] += reward_scores(reward, *scored, reward_mean, reward_std).tolist()
         result["lengths"] += response_mask.sum(dim=1).tolist()
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         result["responses"] += texts
@@ -496,9 +501,12 @@ if __name__ == "__main__":
     # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
     tokenizer = load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
     tokenizer.padding_side = "left"
-    for path, flag in [(args.ppo_model, "--ppo-model"), (args.reward_model, "--reward-model")]:
-        if load_tokenizer(path, f"check {flag}", args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
-            fail(f"{path!r} has another tokenizer than the SFT model {args.sft_model!r}; check {flag}")
+    if load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
+        fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check --ppo-model")
+    # A reward model with a tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
+    reward_tokenizer = load_tokenizer(args.reward_model, "check --reward-model", args.trust_remote_code)
+    if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+        reward_tokenizer = None
     prompts = load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True)
 
     sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
@@ -511,7 +519,7 @@ if __name__ == "__main__":
     # repetition penalty, min_new_tokens) changes what is sampled.
     generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     sft.generation_config = ppo.generation_config = generation_config
-    judged = (tokenizer, prompts, generation_config, args, reward_mean, reward_std, device)
+    judged = (tokenizer, reward_tokenizer, prompts, generation_config, args, reward_mean, reward_std, device)
     results = {"sft": answer(sft, sft, reward, *judged)}
     print(f"SFT answered {len(prompts)} prompts")
     results["ppo"] = answer(ppo, sft, reward, *judged)
@@ -557,13 +565,13 @@ if __name__ == "__main__":
     # The over-optimisation picture: every snapshot answers the first snapshot_prompts prompts, against the SFT policy.
     if snapshots and args.gold_judge:
         few = prompts[: args.snapshot_prompts]
-        sft_few = answer(sft, sft, reward, tokenizer, few, generation_config, args, reward_mean, reward_std, device)
+        judged_few = (tokenizer, reward_tokenizer, few, generation_config, args, reward_mean, reward_std, device)
+        sft_few = answer(sft, sft, reward, *judged_few)
         points = [{"label": "SFT", **summarize(sft_few, sft_few, gold_judge=True)}]
         for path in snapshots:
             policy = load_model(AutoModelForCausalLM, path, "check --snapshots-dir", args, device)
             policy.generation_config = generation_config
-            result = answer(policy, sft, reward, tokenizer, few, generation_config, args, reward_mean, reward_std,
-                            device)
+            result = answer(policy, sft, reward, *judged_few)
             points.append({"label": os.path.basename(path).replace("iteration_", "it "),
                            **summarize(result, sft_few, gold_judge=True)})
             print(f"{points[-1]['label']}: KL {points[-1]['mean_kl_to_sft']:.2f}, reward model "

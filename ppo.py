@@ -83,9 +83,11 @@ class Args:
     actor_model_name_or_path: str = "checkpoints/sft"
     """the SFT model (stage 1): the actor and the reference start from it"""
     reward_model_name_or_path: str = "checkpoints/reward_model"
-    """the reward model (stage 2), frozen; its config's `reward_mean` is subtracted from its scores"""
+    """the reward model (stage 2), frozen; its config's `reward_mean` is subtracted from its scores. One with another
+    tokenizer than the actor's reads each prompt + response decoded to text and tokenized again"""
     critic_model_name_or_path: str | None = None
-    """where the critic starts; the reward model when not set"""
+    """where the critic starts; when not set, the reward model, or, if the reward model has another tokenizer, the
+    actor with a fresh value head (the critic reads the actor's tokens)"""
     dataset: str = "toy_task/data"
     """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder; only prompts are used"""
     train_split: str = "train"
@@ -323,6 +325,29 @@ def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
     last = attention_mask[:, prompt_len:].sum(dim=1) - 1
     return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std
 
+def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
+                        reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompt + response [B, P + R] as the reward model reads them: unchanged when it has the actor's tokenizer
+    (reward_tokenizer None); otherwise each prompt and response decoded to text and tokenized again as
+    reward_model.py tokenizes its data (EOS appended where the response has one; the actor's special tokens are
+    not carried over), left- and right-padded again -> (sequences [B, P' + R'], attention_mask, P')."""
+    if reward_tokenizer is None:
+        return sequences, attention_mask, prompt_len
+    prompts, responses = [], []
+    for ids, mask in zip(sequences, attention_mask.bool()):
+        prompt, response = ids[:prompt_len][mask[:prompt_len]], ids[prompt_len:][mask[prompt_len:]]
+        prompts.append(reward_tokenizer(tokenizer.decode(prompt, skip_special_tokens=True),
+                                        split_special_tokens=True)["input_ids"])
+        eos = [reward_tokenizer.eos_token_id] if (response == tokenizer.eos_token_id).any() else []
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        # A response of special tokens only, without EOS, decodes to nothing: its score is read at an EOS.
+        responses.append(reward_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                         + eos or [reward_tokenizer.eos_token_id])
+    P, R, pad = max(map(len, prompts)), max(map(len, responses)), reward_tokenizer.pad_token_id
+    rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
+    masks = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
+    return torch.tensor(rows, device=sequences.device), torch.tensor(masks, device=sequences.device), P
+
 def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance of x [B, R] over the in-mask positions of this rank's batch, or of every rank's
     batch together (sums of x, x^2 and the count added over the ranks). (0, 1), which whitens nothing, when fewer
@@ -411,16 +436,19 @@ def check_model_folder(path: str, hint: str) -> None:
                  "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
         fail(f"{path!r} has no model weights (model.safetensors); {hint}")
 
-def load_pretrained(model_class, path: str, hint: str, allowed_missing: tuple = (), **kwargs):
+def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
     """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
     the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    allowed_missing: name prefixes that may start fresh (the reward model's new score head)."""
+    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
+    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
+    checkpoint or left unused in it."""
     try:
         model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
-    missing = sorted(name for name in info["missing_keys"] if not name.startswith(allowed_missing))
-    unexpected = sorted(info["unexpected_keys"])
+    checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
+    missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
+    unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
     if missing or unexpected:
         fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
              f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
@@ -549,15 +577,13 @@ def check_args(args: Args) -> None:
     check_finite_args(args)
 
 
-def check_models(args: Args):
-    """The three model folders and their tokenizers, checked before any model loads; returns the actor's tokenizer,
-    which pads prompts on the left. Its pad token must not be EOS (stage 1 makes sure), the reward model must read
-    the same tokens, and prompt + response must fit the model's positions."""
+def check_models(args: Args, is_main: bool):
+    """The three model folders and their tokenizers, checked before any model loads. Returns the actor's tokenizer,
+    which pads prompts on the left (its pad token must not be EOS: stage 1 makes sure), the reward model's when it
+    is another (else None), and the critic's folder. Prompt + response must fit the model's positions."""
     check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
     check_model_folder(args.reward_model_name_or_path,
                        "run reward_model.py first or check --reward-model-name-or-path")
-    check_model_folder(args.critic_model_name_or_path or args.reward_model_name_or_path,
-                       "run reward_model.py first or check --critic-model-name-or-path")
     tokenizer = load_tokenizer(args.actor_model_name_or_path, "check --actor-model-name-or-path",
                                args.trust_remote_code)
     tokenizer.padding_side = "left"
@@ -566,14 +592,24 @@ def check_models(args: Args):
              "a model saved by sft.py has one")
     reward_tokenizer = load_tokenizer(args.reward_model_name_or_path, "check --reward-model-name-or-path",
                                       args.trust_remote_code)
-    if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        fail(f"the reward model {args.reward_model_name_or_path!r} has another tokenizer than the actor "
-             f"{args.actor_model_name_or_path!r}: its scores would read other tokens; train it from the same SFT model")
+    if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+        reward_tokenizer = None
+    elif reward_tokenizer.eos_token_id is None or reward_tokenizer.pad_token_id is None:
+        fail(f"the tokenizer of the reward model {args.reward_model_name_or_path!r} needs an EOS and a pad token; "
+             "a model saved by reward_model.py has both")
+    # The critic reads the actor's tokens: a reward model that reads others cannot be its start.
+    critic_path = args.critic_model_name_or_path or \
+        (args.actor_model_name_or_path if reward_tokenizer else args.reward_model_name_or_path)
+    check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
+    if reward_tokenizer and is_main:
+        print(f"the reward model has another tokenizer than the actor: every prompt + response is decoded to text "
+              f"and tokenized again for it; the critic starts from {critic_path!r}"
+              + (" with a fresh value head" if critic_path == args.actor_model_name_or_path else ""))
     actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
     if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
         fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer than the "
              f"model's {actor_config.max_position_embeddings} positions; lower them")
-    return tokenizer
+    return tokenizer, reward_tokenizer, critic_path
 
 
 def check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration: int, start: int) -> None:
@@ -678,7 +714,12 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     # transformers would otherwise keep an fp16 checkpoint in fp16 in an fp32 run.
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
         else torch.float32
-    model = load_pretrained(model_class, path, f"check {flag}", config=config, dtype=dtype,
+    # A critic from a causal LM (the actor, when the reward model reads other tokens) gets a fresh 1-label head.
+    new_head = model_class is AutoModelForSequenceClassification and \
+        any(name.endswith("ForCausalLM") for name in config.architectures or [])
+    if new_head:
+        config.num_labels = 1
+    model = load_pretrained(model_class, path, f"check {flag}", new_head=new_head, config=config, dtype=dtype,
                             trust_remote_code=args.trust_remote_code)
     if lora_dim:
         model = add_lora(model, lora_dim, args)
@@ -710,7 +751,7 @@ def check_score_head(engine, name: str) -> None:
              "(as reward_model.py saves it)")
 
 
-def build_engines(args: Args):
+def build_engines(args: Args, critic_path: str):
     """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
     critic and reward model have a 1-label score head, and no weight is inf or NaN."""
     # The reference follows the actor's ZeRO stage and the reward model the critic's, but only ZeRO-3 is worth
@@ -718,7 +759,6 @@ def build_engines(args: Args):
     # (DeepSpeed-Chat's rule). Their own offload keeps their parameters in CPU memory, which needs ZeRO-3.
     reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
     reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
-    critic_path = args.critic_model_name_or_path or args.reward_model_name_or_path
     actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
     if args.enable_hybrid_engine:
         actor_ds_config["hybrid_engine"] = hybrid_engine_config(args)
@@ -1549,7 +1589,7 @@ if __name__ == "__main__":
     # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
     run = on_rank_0(lambda: start_run(args))
     saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
-    tokenizer = check_models(args)  # the SFT model's, left padding for the prompts; its pad token is not EOS
+    tokenizer, reward_tokenizer, critic_path = check_models(args, is_main)
     prompts = load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len, is_main)
     if len(prompts) < args.batch_size:
         fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
@@ -1557,7 +1597,7 @@ if __name__ == "__main__":
     unsup_blocks = load_pretraining_blocks(tokenizer, args) if args.unsup_dataset is not None else None
 
     torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
-    actor, reference, critic, reward, ema = build_engines(args)
+    actor, reference, critic, reward, ema = build_engines(args, critic_path)
     # Reward normalization (Ziegler et al. 2019): reward_model.py stored the mean and standard deviation of its scores
     # on the SFT policy's responses; (score - reward_mean) / reward_std has mean 0 and std 1 where PPO starts. The
     # critic starts as a copy of the reward model, so its outputs are mapped the same way, with its own config's values.
@@ -1614,10 +1654,10 @@ if __name__ == "__main__":
                 values = torch.cat([critic_values(critic.module, sequences[c], attention_mask[c], P, critic_mean,
                                                   critic_std) for c in chunks])
             # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
-            # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std.
+            # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std, in the reward model's tokens.
             with gathered(reward, args.gather_weights_for_rollout):
-                scores = torch.cat([reward_scores(reward.module, sequences[c], attention_mask[c], P, reward_mean,
-                                                  reward_std) for c in chunks])
+                scores = torch.cat([reward_scores(reward.module, *reward_model_inputs(sequences[c], attention_mask[c], P,
+                                    tokenizer, reward_tokenizer), reward_mean, reward_std) for c in chunks])
             # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
             if args.missing_eos_penalty is not None:
                 scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)

@@ -159,16 +159,19 @@ def check_model_folder(path: str, hint: str) -> None:
         fail(f"{path!r} has no model weights (model.safetensors); {hint}")
 
 
-def load_pretrained(model_class, path: str, hint: str, allowed_missing: tuple = (), **kwargs):
+def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
     """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
     the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    allowed_missing: name prefixes that may start fresh (the reward model's new score head)."""
+    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
+    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
+    checkpoint or left unused in it."""
     try:
         model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
-    missing = sorted(name for name in info["missing_keys"] if not name.startswith(allowed_missing))
-    unexpected = sorted(info["unexpected_keys"])
+    checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
+    missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
+    unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
     if missing or unexpected:
         fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
              f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")

@@ -19,12 +19,12 @@ import pytest
 import safetensors.torch
 import torch
 import tyro
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
-                          GPT2ForSequenceClassification, GPT2LMHeadModel)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo
 import rlhf_math
 from ppo import response_logits
+from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
 from test_sft_and_reward_model import (ENV, FEW_STEPS, bad, check_errors, check_stops,  # noqa: F401
                                        free_port, launcher, processes_with, run, run_in_process)
@@ -94,11 +94,12 @@ def check_actor_trained(out, stages):
     assert all(p.shape == sft.state_dict()[n].shape for n, p in actor.state_dict().items())  # gathered, not shards
 
 
-def test_generation_and_forward_log_probs_agree():
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_generation_and_forward_log_probs_agree(model_type):
     """The log-probs ppo.py computes by a forward pass over prompt + response are those of the distribution the
-    response was sampled from: same positions (left padding, the shift by one), same temperature."""
+    response was sampled from: same positions (left padding, the shift by one), same temperature, in every family."""
     tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained("toy_task/base_model")
+    model, _ = tiny_models(model_type, tokenizer)
     prompts = tokenizer(["I watched this film last night and", "We saw it"], padding=True, return_tensors="pt")
     torch.manual_seed(0)
     out = model.generate(**prompts, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=8,
@@ -114,26 +115,23 @@ def test_generation_and_forward_log_probs_agree():
     torch.testing.assert_close(forward_logprobs, sampled_logprobs, atol=1e-4, rtol=1e-4)
 
 
-def tiny_models(architecture, tokenizer):
-    """A causal LM and a 1-label classifier: the toy task's Llama (rotary positions), or a random GPT-2 (absolute
-    position embeddings: a forward pass without the right position ids gives other outputs)."""
+def tiny_models(model_type, tokenizer):
+    """A random causal LM and a random 1-label classifier of this family (test_architectures.py's tiny shapes)."""
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), num_labels=1,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, **ARCHITECTURES[model_type])
     torch.manual_seed(0)
-    if architecture == "llama":
-        return (AutoModelForCausalLM.from_pretrained("toy_task/base_model"),
-                AutoModelForSequenceClassification.from_pretrained("toy_task/base_model", num_labels=1))
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
-    return GPT2LMHeadModel(config), GPT2ForSequenceClassification(config)
+    return (AutoModelForCausalLM.from_config(config).eval(),
+            AutoModelForSequenceClassification.from_config(config).eval())
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-def test_logprobs_values_and_scores_of_a_padded_batch_are_those_of_each_row_alone(architecture):
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_logprobs_values_and_scores_of_a_padded_batch_are_those_of_each_row_alone(model_type):
     """ppo.py's forward passes over a left-padded batch of prompt + response (ending in EOS, then pad) give, at every
     response position, what the model gives for that row alone, unpadded: log pi(a_t|s_t) and V(s_t) from the outputs
     one position before a_t, and the score at the EOS, which here is the classifier's own pooled output."""
     tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
-    policy, classifier = (model.eval() for model in tiny_models(architecture, tokenizer))
+    policy, classifier = tiny_models(model_type, tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rows = [("I watched this film last night and", " the story was good."),
             ("We saw it, and", " although the plot was dull, the ending was truly superb."),
@@ -482,16 +480,6 @@ def test_ppo_bad_input(stages, bad, tmp_path, capsys):
     with pytest.raises(SystemExit):
         tyro.cli(ppo.Args, args=["--actor-zero-stage", "4"])
     assert "invalid choice '4' for argument '--actor-zero-stage'" in capsys.readouterr().err
-
-
-def test_reward_model_with_another_tokenizer(stages, tmp_path):
-    other = tmp_path / "other_rm"
-    shutil.copytree(stages[3], other)
-    tokenizer = AutoTokenizer.from_pretrained(other)
-    tokenizer.add_tokens(["<|a token the actor does not have|>"])
-    tokenizer.save_pretrained(other)
-    error = ppo_error(stages, tmp_path / "out", "--total-episodes", "16", "--reward-model-name-or-path", str(other))
-    assert "has another tokenizer than the actor" in error
 
 
 def test_evaluate(stages, tmp_path):

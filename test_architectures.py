@@ -1,0 +1,191 @@
+"""The model families people bring: tiny random GPT-2 (absolute positions), OPT (DeepSpeed-Chat's), GPT-NeoX (Pythia,
+TRL's), Qwen2 and Llama (grouped-query attention, untied heads) go through all three stages; and a reward model with a
+tokenizer of its own. Every model is built here from the bundled toy tokenizer, nothing is downloaded.
+"""
+
+import glob
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers.processors import TemplateProcessing
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          PreTrainedTokenizerFast)
+
+import ppo
+from test_sft_and_reward_model import run, run_in_process
+
+TOY_TOKENIZER = "toy_task/base_model"
+# Two layers of width 32 each; what differs is what each family does with positions, heads and its LM head.
+ARCHITECTURES = {
+    "gpt2": dict(n_positions=128, n_embd=32, n_layer=2, n_head=2),
+    "opt": dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2, max_position_embeddings=128,
+                word_embed_proj_dim=32),
+    "gpt_neox": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=128),
+    "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128),
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128),
+}
+# Each family's tokenizer conventions, on the toy vocabulary: the BOS put before every text (OPT's is its EOS,
+# Llama's a token of its own; the others put none), and the pad token (GPT-2, Pythia and Llama have none, Qwen2's is
+# its EOS: stage 1 adds one).
+TOKENIZER_CONVENTIONS = {"gpt2": dict(bos=None, pad=None), "opt": dict(bos="<|endoftext|>", pad="<|pad|>"),
+                         "gpt_neox": dict(bos=None, pad=None), "qwen2": dict(bos=None, pad="<|endoftext|>"),
+                         "llama": dict(bos="<s>", pad=None)}
+# A few steps of each stage: 16 pairs in batches of 8; one PPO iteration of 8 prompts in 2 mini-batches.
+STAGE_STEPS = ["--train-split", "train[:16]", "--eval-split", "test[:8]", "--per-device-train-batch-size", "8"]
+PPO_STEPS = ["--total-episodes", "8", "--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
+             "--per-device-train-batch-size", "2", "--max-new-tokens", "8"]
+
+
+def tiny_model_folder(model_type: str, folder) -> str:
+    """A random-initialised causal LM of this family with the toy tokenizer in the family's conventions, saved as a
+    Hugging Face folder."""
+    tokenizer = AutoTokenizer.from_pretrained(TOY_TOKENIZER)
+    bos, pad = TOKENIZER_CONVENTIONS[model_type].values()
+    if bos is not None:
+        tokenizer.add_special_tokens({"bos_token": bos})
+        tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tokenizer.bos_token_id)])
+    tokenizer.pad_token = pad
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  **ARCHITECTURES[model_type])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def run_to_the_end(script, *argv):
+    assert run_in_process(script, list(argv), must_stop=False) is None
+
+
+def ppo_metrics(out, exp_name, *flags):
+    """One PPO iteration, in this process; its metrics line."""
+    for old in glob.glob(f"runs/{exp_name}__*"):
+        shutil.rmtree(old)
+    run_to_the_end("ppo.py", *PPO_STEPS, "--output-dir", str(out), "--exp-name", exp_name, *flags)
+    (path,) = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")
+    (metrics,) = [json.loads(line) for line in open(path)]
+    shutil.rmtree(os.path.dirname(path))
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """trained(model_type): the SFT and reward model folders of this family, a few steps each, trained once."""
+    folders = {}
+
+    def train(model_type):
+        if model_type not in folders:
+            root = tmp_path_factory.mktemp(model_type)
+            sft, rm = str(root / "sft"), str(root / "rm")
+            run_to_the_end("sft.py", *STAGE_STEPS, "--model-name-or-path", tiny_model_folder(model_type, root / "base"),
+                           "--output-dir", sft)
+            run_to_the_end("reward_model.py", *STAGE_STEPS, "--model-name-or-path", sft, "--output-dir", rm,
+                           "--normalization-samples", "8")
+            folders[model_type] = (sft, rm)
+        return folders[model_type]
+    return train
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_three_stages_on_one_rank(model_type, trained, tmp_path):
+    """SFT, reward model and PPO, a few steps each, with the family's BOS and pad conventions: every stage's folder
+    loads back as this family's model with its tokenizer, and the PPO iteration's metrics are finite."""
+    sft, rm = trained(model_type)
+    metrics = ppo_metrics(tmp_path, f"test_arch_{model_type}", "--actor-model-name-or-path", sft,
+                          "--reward-model-name-or-path", rm)
+    assert all(math.isfinite(value) for value in metrics.values() if isinstance(value, float)), metrics
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "actor")  # the family's BOS kept; a pad that is not EOS
+    adds_bos = TOKENIZER_CONVENTIONS[model_type]["bos"] is not None
+    assert (tokenizer("a film")["input_ids"][0] == tokenizer.bos_token_id) == adds_bos
+    assert tokenizer.pad_token_id not in (None, tokenizer.eos_token_id)
+    for folder, model_class in [(sft, AutoModelForCausalLM), (rm, AutoModelForSequenceClassification),
+                                (tmp_path / "actor", AutoModelForCausalLM),
+                                (tmp_path / "critic", AutoModelForSequenceClassification)]:
+        assert model_class.from_pretrained(folder).config.model_type == model_type
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "opt"])
+def test_ppo_on_two_ranks_with_the_actor_under_zero3(model_type, trained, tmp_path):
+    """Two PPO iterations on 2 ranks, the actor (and so the reference) partitioned by ZeRO-3."""
+    sft, rm = trained(model_type)
+    exp_name = f"test_arch_zero3_{model_type}"
+    run("ppo.py", *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3", "--actor-model-name-or-path", sft,
+        "--reward-model-name-or-path", rm, "--output-dir", str(tmp_path), "--exp-name", exp_name, ranks=2)
+    (path,) = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")
+    metrics = [json.loads(line) for line in open(path)]
+    shutil.rmtree(os.path.dirname(path))
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["objective/scores"]) and math.isfinite(m["loss/policy_avg"]) for m in metrics)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "actor").config.model_type == model_type
+
+
+def other_tokenizer(texts) -> PreTrainedTokenizerFast:
+    """A tokenizer that shares no ids with the toy one: a smaller byte-level BPE, its special tokens at other ids."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", pad_token="<pad>")
+
+
+def test_reward_model_with_its_own_tokenizer(tmp_path, capsys):
+    """A reward model that reads other tokens scores each prompt + response as its own tokenizer writes the text: the
+    same score as for that text tokenized alone, the score at the EOS where the response has one. ppo.py runs with it,
+    says so, and starts the critic from the actor with a fresh value head; evaluate.py scores with it."""
+    texts = [json.loads(line)["prompt"] + json.loads(line)["chosen"] for line in open("toy_task/data/train.jsonl")]
+    reward_tokenizer = other_tokenizer(texts[:2000])
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=len(reward_tokenizer), num_labels=1,
+                                  pad_token_id=reward_tokenizer.pad_token_id, **ARCHITECTURES["llama"])
+    config.max_position_embeddings = 256
+    reward = AutoModelForSequenceClassification.from_config(config).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TOY_TOKENIZER, padding_side="left")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    # Two left-padded prompts; the first response ends in EOS (then pad), the second was cut at the length limit.
+    rows = [("I watched this film last night and", " the story was good."), ("We saw it, and", " the cast was bad")]
+    prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in rows]
+    responses = [tokenizer(rows[0][1])["input_ids"] + [eos, pad], tokenizer(rows[1][1])["input_ids"]]
+    R = max(map(len, responses))
+    responses = [r + [pad] * (R - len(r)) for r in responses]
+    P = max(map(len, prompts))
+    sequences = torch.tensor([[pad] * (P - len(p)) + p + r for p, r in zip(prompts, responses)])
+    attention_mask = (sequences != pad).long()
+    reward_sequences, reward_mask, reward_P = ppo.reward_model_inputs(sequences, attention_mask, P, tokenizer,
+                                                                      reward_tokenizer)
+    assert ppo.reward_model_inputs(sequences, attention_mask, P, tokenizer, None) == (sequences, attention_mask, P)
+    with torch.no_grad():
+        scores = ppo.reward_scores(reward, reward_sequences, reward_mask, reward_P, mean=0.5, std=2.0)
+        for i, (prompt, response) in enumerate(rows):
+            alone = reward_tokenizer(prompt)["input_ids"] + reward_tokenizer(response)["input_ids"]
+            alone += [reward_tokenizer.eos_token_id] if i == 0 else []  # only the first response stopped
+            expected = (reward(torch.tensor([alone])).logits[0, 0] - 0.5) / 2.0
+            torch.testing.assert_close(scores[i], expected, rtol=1e-5, atol=1e-5)
+            assert reward_tokenizer.decode(reward_sequences[i][reward_mask[i].bool()]) == \
+                prompt + response + ("</s>" if i == 0 else "")
+
+    # ppo.py with it: the SFT model is the bundled base model (its tokenizer the toy one), the reward model the above.
+    reward_folder = tmp_path / "reward"
+    reward.save_pretrained(reward_folder)
+    reward_tokenizer.save_pretrained(reward_folder)
+    metrics = ppo_metrics(tmp_path / "ppo", "test_reward_tokenizer", "--actor-model-name-or-path", TOY_TOKENIZER,
+                          "--reward-model-name-or-path", str(reward_folder))
+    assert math.isfinite(metrics["objective/scores"]) and math.isfinite(metrics["loss/value_avg"])
+    assert f"the critic starts from {TOY_TOKENIZER!r} with a fresh value head" in capsys.readouterr().out
+    # evaluate.py scores both policies with it too.
+    run_to_the_end("evaluate.py", "--sft-model", TOY_TOKENIZER, "--ppo-model", str(tmp_path / "ppo" / "actor"),
+                   "--reward-model", str(reward_folder), "--split", "test[:8]", "--output-dir", str(tmp_path / "eval"))
+    evaluation = json.load(open(tmp_path / "eval" / "evaluation.json"))
+    assert math.isfinite(evaluation["ppo"]["mean_score"]), evaluation
