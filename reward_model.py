@@ -291,7 +291,7 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
             too_long += 1
             continue
         examples.append({"prompt": prompt_ids, "chosen": sides[0], "rejected": sides[1]})
-    if too_long and args.local_rank <= 0:
+    if too_long and os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
         print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len {args.max_seq_len}")
     if not examples:
         fail(f"no pair of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")

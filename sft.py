@@ -265,7 +265,7 @@ def tokenize_demonstrations(data, tokenizer, args: Args, split: str) -> list[dic
             too_long += 1
             continue
         examples.append({"input_ids": prompt_ids + response_ids, "labels": [-100] * len(prompt_ids) + response_ids})
-    if too_long and args.local_rank <= 0:
+    if too_long and os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
         print(f"dropped {too_long} of {len(data)} rows of split {split!r} longer than --max-seq-len {args.max_seq_len}")
     if not examples:
         fail(f"no row of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")

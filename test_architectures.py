@@ -8,6 +8,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           PreTrainedTokenizerFast)
 
 import ppo
-from test_sft_and_reward_model import run, run_in_process
+from test_sft_and_reward_model import ENV, free_port, run, run_in_process, torchrun
 
 TOY_TOKENIZER = "toy_task/base_model"
 # Two layers of width 32 each; what differs is what each family does with positions, heads and its LM head.
@@ -67,10 +69,15 @@ def run_to_the_end(script, *argv):
     assert run_in_process(script, list(argv), must_stop=False) is None
 
 
-def ppo_metrics(out, exp_name, *flags):
-    """One PPO iteration, in this process; its metrics line."""
+def no_runs_of(exp_name):
+    """Remove what an earlier run of this experiment left in runs/."""
     for old in glob.glob(f"runs/{exp_name}__*"):
         shutil.rmtree(old)
+
+
+def ppo_metrics(out, exp_name, *flags):
+    """One PPO iteration, in this process; its metrics line."""
+    no_runs_of(exp_name)
     run_to_the_end("ppo.py", *PPO_STEPS, "--output-dir", str(out), "--exp-name", exp_name, *flags)
     (path,) = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")
     (metrics,) = [json.loads(line) for line in open(path)]
@@ -114,19 +121,46 @@ def test_three_stages_on_one_rank(model_type, trained, tmp_path):
         assert model_class.from_pretrained(folder).config.model_type == model_type
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "opt"])
-def test_ppo_on_two_ranks_with_the_actor_under_zero3(model_type, trained, tmp_path):
-    """Two PPO iterations on 2 ranks, the actor (and so the reference) partitioned by ZeRO-3."""
-    sft, rm = trained(model_type)
-    exp_name = f"test_arch_zero3_{model_type}"
-    run("ppo.py", *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3", "--actor-model-name-or-path", sft,
-        "--reward-model-name-or-path", rm, "--output-dir", str(tmp_path), "--exp-name", exp_name, ranks=2)
+def only_metrics_file(exp_name):
+    """The iterations of the one metrics file this experiment wrote (then removed)."""
     (path,) = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")
     metrics = [json.loads(line) for line in open(path)]
     shutil.rmtree(os.path.dirname(path))
-    assert [m["iteration"] for m in metrics] == [1, 2]
     assert all(math.isfinite(m["objective/scores"]) and math.isfinite(m["loss/policy_avg"]) for m in metrics)
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "actor").config.model_type == model_type
+    return [m["iteration"] for m in metrics]
+
+
+def test_ppo_on_two_ranks_under_torchrun_with_the_actor_under_zero3(trained, tmp_path):
+    """OPT under torchrun, 2 ranks, the actor (and so the reference) partitioned by ZeRO-3: two iterations."""
+    sft, rm = trained("opt")
+    no_runs_of("test_torchrun_opt")
+    run("ppo.py", *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3", "--actor-model-name-or-path", sft,
+        "--reward-model-name-or-path", rm, "--output-dir", str(tmp_path), "--exp-name", "test_torchrun_opt", ranks=2,
+        launch=torchrun)
+    assert only_metrics_file("test_torchrun_opt") == [1, 2]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "actor").config.model_type == "opt"
+
+
+def test_ppo_across_two_nodes(trained, tmp_path):
+    """Two nodes of one rank each, simulated on this machine as on a cluster without ssh: one deepspeed launcher per
+    node (--no_ssh, its --node_rank, one hostfile, node 0's address), GPT-NeoX with the actor under ZeRO-3. Node 1's
+    rank is its node's local rank 0 too: only the job's rank 0 prints and writes (one metrics file)."""
+    sft, rm = trained("gpt_neox")
+    no_runs_of("test_two_nodes")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
+         str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), "ppo.py", *PPO_STEPS, "--total-episodes",
+         "32", "--actor-zero-stage", "3", "--actor-model-name-or-path", sft, "--reward-model-name-or-path", rm,
+         "--output-dir", str(tmp_path / "ppo"), "--exp-name", "test_two_nodes"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV) for node in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "iteration 2/2" in outputs[0] and "iteration 2/2" not in outputs[1]
+    assert only_metrics_file("test_two_nodes") == [1, 2]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "actor").config.model_type == "gpt_neox"
 
 
 def other_tokenizer(texts) -> PreTrainedTokenizerFast:

@@ -39,9 +39,12 @@ RUN_CREATED_PREFIXES = ("checkpoints/", "runs/", "OUTPUT_DIR/", "PPO_MODEL/")
 # Files the scripts write inside the folders they make (a saved model, a run's logs, a resume checkpoint).
 RUN_CREATED_FILES = {"training_run.json", "metrics.jsonl", "state.json", "config.json", "generation_config.json",
                      "evaluation.json", "benchmark.json", "ppo_training.png", "overoptimization.png"}
-# Flags of the deepspeed launcher (written with underscores, as it spells them) and of every tyro script.
+# Flags of the deepspeed launcher (written with underscores, as it spells them), of torchrun and SLURM's sbatch in
+# the multi-node recipes, and of every tyro script.
 LAUNCHER_FLAGS = {"--num_gpus", "--num_nodes", "--master_port", "--master_addr", "--hostfile", "--include",
-                  "--exclude", "--local_rank", "--help"}
+                  "--exclude", "--local_rank", "--no_ssh", "--node_rank", "--help",
+                  "--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port",
+                  "--nodes", "--ntasks-per-node", "--gpus-per-node"}
 METRIC_PREFIXES = ("objective", "policy", "loss", "val", "time", "memory", "train", "eval", "charts")
 README_MAX_BYTES = 25_000
 

@@ -48,10 +48,17 @@ def launcher(ranks):
             str(free_port())]
 
 
-def run(script, *flags, ranks=None, check=True):
-    """`python script flags`, or `deepspeed --num_gpus ranks script flags`; returns the finished process."""
+def torchrun(ranks):
+    """torchrun's command for `ranks` ranks on this machine, on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+            str(free_port())]
+
+
+def run(script, *flags, ranks=None, check=True, launch=launcher):
+    """`python script flags`, or `deepspeed --num_gpus ranks script flags` (launch=torchrun: `torchrun
+    --nproc-per-node ranks script flags`); returns the finished process."""
     if ranks:
-        command = [*launcher(ranks), script, *flags]
+        command = [*launch(ranks), script, *flags]
     else:
         command = [sys.executable, script, *flags]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
@@ -116,8 +123,8 @@ def test_sft_one_rank(sft_checkpoint):
     check_sft_folder(sft_checkpoint)
 
 
-def test_sft_two_ranks_zero3(tmp_path):
-    run("sft.py", *FEW_STEPS, "--zero-stage", "3", "--output-dir", str(tmp_path / "sft"), ranks=2)
+def test_sft_two_ranks_zero3_under_torchrun(tmp_path):
+    run("sft.py", *FEW_STEPS, "--zero-stage", "3", "--output-dir", str(tmp_path / "sft"), ranks=2, launch=torchrun)
     check_sft_folder(str(tmp_path / "sft"))
 
 
@@ -126,7 +133,7 @@ def normalized_scores_of_samples(policy_path, reward_path, prompts, seed):
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
     reward = AutoModelForSequenceClassification.from_pretrained(reward_path).eval()
-    result = evaluate.answer(policy, policy, reward, tokenizer, tokenizer(prompts)["input_ids"],
+    result = evaluate.answer(policy, policy, reward, tokenizer, None, tokenizer(prompts)["input_ids"],
                              ppo.sampling_config(tokenizer, max_new_tokens=24, temperature=1.0),
                              evaluate.Args(seed=seed, batch_size=len(prompts), gold_judge=False),
                              reward.config.reward_mean, reward.config.reward_std, torch.device("cpu"))
@@ -146,9 +153,9 @@ def test_reward_model_one_rank(sft_checkpoint, tmp_path):
     assert abs(scores.mean().item()) < 0.3 and abs(scores.std().item() - 1) < 0.25, (scores.mean(), scores.std())
 
 
-def test_reward_model_two_ranks_zero3(sft_checkpoint, tmp_path):
+def test_reward_model_two_ranks_zero3_under_torchrun(sft_checkpoint, tmp_path):
     result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--zero-stage", "3",
-                 "--output-dir", str(tmp_path / "rm"), "--normalization-samples", "64", ranks=2)
+                 "--output-dir", str(tmp_path / "rm"), "--normalization-samples", "64", ranks=2, launch=torchrun)
     assert "reward normalization: on 64 responses" in result.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
 
@@ -457,3 +464,9 @@ def test_damaged_misnamed_or_mistyped_weights_are_refused(bad, tmp_path):
     ])
     assert sft.is_hub_name("gpt2") and sft.is_hub_name("EleutherAI/pythia-410m")
     assert not any(sft.is_hub_name(path) for path in ["chekpoints/sft", "checkpoints/sft", "./model", "toy_task/x"])
+
+
+def test_every_stage_takes_the_local_rank_the_deepspeed_launcher_passes():
+    """deepspeed starts each rank with `--local_rank=N` (torchrun only sets LOCAL_RANK): every stage must take it."""
+    for stage in (sft, reward_model, ppo):
+        assert tyro.cli(stage.Args, args=["--local_rank=1"]).local_rank == 1
