@@ -93,7 +93,13 @@ class Args:
     train_split: str = "train"
     """the split whose prompts are sampled"""
     prompt_column: str = "prompt"
-    """the column that holds the prompt"""
+    """the column that holds the prompt: text, or a list of {"role", "content"} chat messages (the
+    tokenizer's chat template makes it a prompt)"""
+    split_conversations: bool = False
+    """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation, and the prompt is its text up to and including the
+    last --assistant-marker"""
+    assistant_marker: str = "\n\nAssistant:"
+    """where the last assistant turn opens in a whole conversation (--split-conversations)"""
     max_prompt_len: PositiveInt = 32
     """longest prompt in tokens; longer prompts are dropped (and counted), never truncated"""
     trust_remote_code: bool = False
@@ -505,7 +511,10 @@ def load_split(dataset: str, split: str, columns: list[str], flag: str = "--data
              f"{flag} (a UTF-8 {kinds} file) and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
-        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
+        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
+        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}"
+             + ("; if 'chosen' and 'rejected' each hold the whole conversation (the hh-rlhf layout), pass "
+                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else ""))
     try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
         data.select_columns(columns).data.validate(full=True)
     except ValueError as error:
@@ -522,14 +531,52 @@ def text_of(row: dict, i: int, column: str, split: str) -> str:
     return value
 
 
-def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool) -> list:
-    """The token ids of every prompt of a split that fits max_prompt_len: a longer prompt is dropped, never truncated,
-    and the dropped ones are counted (on rank 0)."""
+def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[str, str]:
+    """A whole conversation (the hh-rlhf layout, "\n\nHuman: ...\n\nAssistant: ...") -> (prompt, response): the
+    prompt up to and including its last assistant marker, the response after it."""
+    cut = text.rfind(assistant_marker)
+    if cut < 0:
+        fail(f"{where}: no {assistant_marker!r} to split the conversation at; check --assistant-marker")
+    prompt, response = text[: cut + len(assistant_marker)], text[cut + len(assistant_marker) :]
+    if not response.strip():
+        fail(f"{where}: nothing after the last {assistant_marker!r}; fix or remove the row")
+    return prompt, response
+
+
+def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
+    """The token ids of one row's prompt. Text is tokenized as it is (split_special_tokens: text that spells a special
+    token, "<|endoftext|>", stays text, never a real EOS); with assistant_marker the text is a whole conversation
+    whose prompt ends at its last marker (split_conversation). A list of {"role", "content"} messages goes through
+    the tokenizer's chat template, up to the opening of the assistant's turn."""
+    value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
+    if not isinstance(value, list):
+        text = text_of(row, i, column, split)
+        if assistant_marker is not None:
+            text = split_conversation(text, assistant_marker, where)[0]
+        return tokenizer(text, split_special_tokens=True)["input_ids"]
+    if tokenizer.chat_template is None:
+        fail(f"{where} holds chat messages, but the tokenizer has no chat template; use a tokenizer that has one (an "
+             "instruct or chat model's) or give the prompts as text")
+    if not value or not all(isinstance(message, dict) and isinstance(message.get("role"), str)
+                            and isinstance(message.get("content"), str) for message in value):
+        fail(f"{where}: not a list of {{'role': ..., 'content': ...}} messages with text content; fix or remove the row")
+    # The template's text is tokenized with its markers as real tokens: a message that spells one would fake a turn.
+    spelled = [token for token in tokenizer.get_added_vocab() if any(token in m["content"] for m in value)]
+    if spelled:
+        fail(f"{where}: a message spells the token {spelled[0]!r}, which the chat template would read as the real "
+             "one; fix or remove the row")
+    text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool,
+                 assistant_marker: str | None = None) -> list:
+    """The token ids (prompt_ids) of every prompt of a split that fits max_prompt_len: a longer prompt is dropped,
+    never truncated, and the dropped ones are counted (on rank 0)."""
     data = load_split(dataset, split, [column])
     prompts, too_long = [], 0
     for i, row in enumerate(data):
-        # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
-        ids = tokenizer(text_of(row, i, column, split), split_special_tokens=True)["input_ids"]
+        ids = prompt_ids(tokenizer, row, i, column, split, assistant_marker)
         if len(ids) > max_prompt_len:
             too_long += 1
         else:
@@ -1590,7 +1637,8 @@ if __name__ == "__main__":
     run = on_rank_0(lambda: start_run(args))
     saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
     tokenizer, reward_tokenizer, critic_path = check_models(args, is_main)
-    prompts = load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len, is_main)
+    prompts = load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len, is_main,
+                           args.assistant_marker if args.split_conversations else None)
     if len(prompts) < args.batch_size:
         fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
              "raise --max-prompt-len or lower --per-device-rollout-batch-size")

@@ -83,11 +83,17 @@ class Args:
     eval_split: str = "test"
     """the held-out split for accuracy"""
     prompt_column: str = "prompt"
-    """the column that holds the prompt"""
+    """the column that holds the prompt: text, or a list of {"role", "content"} chat messages (the tokenizer's chat
+    template makes it a prompt)"""
     chosen_column: str = "chosen"
     """the column that holds the preferred response"""
     rejected_column: str = "rejected"
     """the column that holds the other response"""
+    split_conversations: bool = False
+    """the hh-rlhf layout: each of --chosen-column and --rejected-column holds the whole conversation, and the prompt is its text up to and including the
+    last --assistant-marker"""
+    assistant_marker: str = "\n\nAssistant:"
+    """where the last assistant turn opens in a whole conversation (--split-conversations)"""
     max_seq_len: int = 64
     """longest prompt + response + EOS, in tokens; pairs with a longer side are dropped (and counted), never truncated"""
     trust_remote_code: bool = False
@@ -254,7 +260,10 @@ def load_split(dataset: str, split: str, columns: list[str], flag: str = "--data
              f"{flag} (a UTF-8 {kinds} file) and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
-        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}")
+        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
+        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}"
+             + ("; if 'chosen' and 'rejected' each hold the whole conversation (the hh-rlhf layout), pass "
+                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else ""))
     try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
         data.select_columns(columns).data.validate(full=True)
     except ValueError as error:
@@ -272,6 +281,52 @@ def text_of(row: dict, i: int, column: str, split: str) -> str:
     return value
 
 
+def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[str, str]:
+    """A whole conversation (the hh-rlhf layout, "\n\nHuman: ...\n\nAssistant: ...") -> (prompt, response): the
+    prompt up to and including its last assistant marker, the response after it."""
+    cut = text.rfind(assistant_marker)
+    if cut < 0:
+        fail(f"{where}: no {assistant_marker!r} to split the conversation at; check --assistant-marker")
+    prompt, response = text[: cut + len(assistant_marker)], text[cut + len(assistant_marker) :]
+    if not response.strip():
+        fail(f"{where}: nothing after the last {assistant_marker!r}; fix or remove the row")
+    return prompt, response
+
+
+def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
+    """The token ids of one row's prompt. Text is tokenized as it is (split_special_tokens: text that spells a special
+    token, "<|endoftext|>", stays text, never a real EOS); with assistant_marker the text is a whole conversation
+    whose prompt ends at its last marker (split_conversation). A list of {"role", "content"} messages goes through
+    the tokenizer's chat template, up to the opening of the assistant's turn."""
+    value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
+    if not isinstance(value, list):
+        text = text_of(row, i, column, split)
+        if assistant_marker is not None:
+            text = split_conversation(text, assistant_marker, where)[0]
+        return tokenizer(text, split_special_tokens=True)["input_ids"]
+    if tokenizer.chat_template is None:
+        fail(f"{where} holds chat messages, but the tokenizer has no chat template; use a tokenizer that has one (an "
+             "instruct or chat model's) or give the prompts as text")
+    if not value or not all(isinstance(message, dict) and isinstance(message.get("role"), str)
+                            and isinstance(message.get("content"), str) for message in value):
+        fail(f"{where}: not a list of {{'role': ..., 'content': ...}} messages with text content; fix or remove the row")
+    # The template's text is tokenized with its markers as real tokens: a message that spells one would fake a turn.
+    spelled = [token for token in tokenizer.get_added_vocab() if any(token in m["content"] for m in value)]
+    if spelled:
+        fail(f"{where}: a message spells the token {spelled[0]!r}, which the chat template would read as the real "
+             "one; fix or remove the row")
+    text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def refuse_repeated_prompt(prompt, responses: dict[str, str], i: int, split: str) -> None:
+    """Responses that each begin with their prompt's text are the hh-rlhf layout read as if it were not: the prompt
+    would be there twice. responses: column -> text."""
+    if isinstance(prompt, str) and all(response.startswith(prompt) for response in responses.values()):
+        fail(f"row {i} of split {split!r}: {' and '.join(map(repr, responses))} begin with the prompt (the hh-rlhf "
+             "layout); pass --split-conversations to cut the prompt from each whole conversation")
+
+
 def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
     """Each pair as two token-id lists, prompt + chosen + EOS and prompt + rejected + EOS.
 
@@ -280,17 +335,25 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
     """
     examples, too_long = [], 0
     for i, row in enumerate(data):
+        chosen, rejected = text_of(row, i, args.chosen_column, split), text_of(row, i, args.rejected_column, split)
+        if args.split_conversations:  # both hold the whole conversation; the prompt ends at chosen's last marker
+            ids = prompt_ids(tokenizer, row, i, args.chosen_column, split, args.assistant_marker)
+            prompt, chosen = split_conversation(chosen, args.assistant_marker, f"row {i} of split {split!r}")
+            if not rejected.startswith(prompt):
+                fail(f"row {i} of split {split!r}: {args.rejected_column!r} does not begin with the conversation of "
+                     f"{args.chosen_column!r} up to its last {args.assistant_marker!r}; fix or remove the row")
+            rejected = rejected[len(prompt) :]
+        else:
+            ids = prompt_ids(tokenizer, row, i, args.prompt_column, split)
+            refuse_repeated_prompt(row[args.prompt_column], {args.chosen_column: chosen, args.rejected_column: rejected},
+                                   i, split)
         # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
-        prompt_ids = tokenizer(text_of(row, i, args.prompt_column, split), split_special_tokens=True)["input_ids"]
-        sides = []
-        for column in [args.chosen_column, args.rejected_column]:
-            response_ids = tokenizer(text_of(row, i, column, split), add_special_tokens=False,
-                                     split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
-            sides.append(prompt_ids + response_ids)
+        sides = [ids + tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                 + [tokenizer.eos_token_id] for response in (chosen, rejected)]
         if max(len(s) for s in sides) > args.max_seq_len:
             too_long += 1
             continue
-        examples.append({"prompt": prompt_ids, "chosen": sides[0], "rejected": sides[1]})
+        examples.append({"prompt": ids, "chosen": sides[0], "rejected": sides[1]})
     if too_long and os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
         print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len {args.max_seq_len}")
     if not examples:
@@ -624,7 +687,8 @@ if __name__ == "__main__":
             print(f"the tokenizer had no pad token distinct from EOS: added '<|pad|>' (id {tokenizer.pad_token_id})")
 
     # Data
-    columns = [args.prompt_column, args.chosen_column, args.rejected_column]
+    columns = [args.chosen_column, args.rejected_column]
+    columns = columns if args.split_conversations else [args.prompt_column, *columns]
     train_data = tokenize_pairs(load_split(args.dataset, args.train_split, columns), tokenizer, args,
                                 args.train_split)
     eval_data = tokenize_pairs(load_split(args.dataset, args.eval_split, columns), tokenizer, args,
