@@ -350,6 +350,9 @@ def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, p
         responses.append(reward_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
                          + eos or [reward_tokenizer.eos_token_id])
     P, R, pad = max(map(len, prompts)), max(map(len, responses)), reward_tokenizer.pad_token_id
+    if P + R > reward_tokenizer.model_max_length:
+        fail(f"a prompt + response is {P + R} tokens for the reward model, more than its tokenizer's model_max_length "
+             f"{reward_tokenizer.model_max_length}; lower --max-prompt-len or --max-new-tokens")
     rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
     masks = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
     return torch.tensor(rows, device=sequences.device), torch.tensor(masks, device=sequences.device), P
@@ -770,6 +773,8 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
                             trust_remote_code=args.trust_remote_code)
     if lora_dim:
         model = add_lora(model, lora_dim, args)
+        if new_head and learning_rate is not None:
+            model.score.requires_grad_(True)  # a fresh value head must learn, even with --only-optimize-lora
     if learning_rate is None:
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
