@@ -718,6 +718,10 @@ def set_up_distributed(args: Args) -> torch.device:
         fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     get_accelerator().set_device(args.local_rank)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
+    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
+    # (torch 2.13). Checked first, since tests run a script several times in one process.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     args.world_size = dist.get_world_size()
     return torch.device(get_accelerator().device_name(args.local_rank))
 

@@ -654,6 +654,10 @@ if __name__ == "__main__":
     get_accelerator().set_device(args.local_rank)
     device = torch.device(get_accelerator().device_name(args.local_rank))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
+    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
+    # (torch 2.13). Checked first, since tests run a script several times in one process.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     args.world_size = dist.get_world_size()
     is_main = dist.get_rank() == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
