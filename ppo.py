@@ -704,8 +704,8 @@ def check_finite_losses(pg_loss, vf_loss, iteration: int) -> None:
 # The four DeepSpeed engines, as DeepSpeed-Chat's RLHF engine builds them: one config and one ZeRO stage each.
 # ---------------------------------------------------------------------------------------------------------------
 def set_up_distributed(args: Args) -> torch.device:
-    """Join the ranks' process group and return this rank's device. The deepspeed launcher sets RANK, WORLD_SIZE and
-    friends; a plain `python` run is one rank."""
+    """Join the ranks' process group and return this rank's device. deepspeed and torchrun set RANK, LOCAL_RANK and
+    WORLD_SIZE; a plain `python` run is one rank."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
@@ -1621,9 +1621,9 @@ def aligned_overflow(actor, critic, enabled: bool):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
+    watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
     device = set_up_distributed(args)
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
-    watch_launcher()
     stop_on_signals()
 
     # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's
