@@ -707,8 +707,8 @@ def check_finite_losses(pg_loss, vf_loss, iteration: int) -> None:
 # The four DeepSpeed engines, as DeepSpeed-Chat's RLHF engine builds them: one config and one ZeRO stage each.
 # ---------------------------------------------------------------------------------------------------------------
 def set_up_distributed(args: Args) -> torch.device:
-    """Join the ranks' process group and return this rank's device. The deepspeed launcher sets RANK, WORLD_SIZE and
-    friends; a plain `python` run is one rank."""
+    """Join the ranks' process group and return this rank's device. deepspeed and torchrun set RANK, LOCAL_RANK and
+    WORLD_SIZE; a plain `python` run is one rank."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
@@ -721,6 +721,10 @@ def set_up_distributed(args: Args) -> torch.device:
         fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     get_accelerator().set_device(args.local_rank)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
+    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
+    # (torch 2.13). Checked first, since tests run a script several times in one process.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     args.world_size = dist.get_world_size()
     return torch.device(get_accelerator().device_name(args.local_rank))
 
@@ -1622,9 +1626,9 @@ def aligned_overflow(actor, critic, enabled: bool):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
+    watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
     device = set_up_distributed(args)
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
-    watch_launcher()
     stop_on_signals()
 
     # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's

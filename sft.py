@@ -595,8 +595,9 @@ def check_args(args: Args) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
+    watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
 
-    # Distributed set-up. The deepspeed launcher sets RANK, WORLD_SIZE and friends; a plain `python` run is one rank.
+    # Distributed set-up. deepspeed and torchrun set RANK, LOCAL_RANK and WORLD_SIZE; a plain `python` run is one rank.
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
@@ -608,10 +609,13 @@ if __name__ == "__main__":
     get_accelerator().set_device(args.local_rank)
     device = torch.device(get_accelerator().device_name(args.local_rank))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
+    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
+    # (torch 2.13). Checked first, since tests run a script several times in one process.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     args.world_size = dist.get_world_size()
     is_main = dist.get_rank() == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    watch_launcher()
     stop_on_signals()
     # The output folder is checked, locked and claimed before anything loads: a run never trains for an hour to find
     # that it cannot save, nor writes over a folder it does not own.

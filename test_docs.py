@@ -42,7 +42,7 @@ RUN_CREATED_FILES = {"training_run.json", "metrics.jsonl", "state.json", "config
 # Flags of the deepspeed launcher (written with underscores, as it spells them), of torchrun and SLURM's sbatch in
 # the multi-node recipes, and of every tyro script.
 LAUNCHER_FLAGS = {"--num_gpus", "--num_nodes", "--master_port", "--master_addr", "--hostfile", "--include",
-                  "--exclude", "--local_rank", "--no_ssh", "--node_rank", "--help",
+                  "--exclude", "--local_rank", "--no_ssh", "--node_rank", "--launcher", "--help",
                   "--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port",
                   "--nodes", "--ntasks-per-node", "--gpus-per-node"}
 METRIC_PREFIXES = ("objective", "policy", "loss", "val", "time", "memory", "train", "eval", "charts")

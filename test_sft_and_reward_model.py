@@ -123,8 +123,8 @@ def test_sft_one_rank(sft_checkpoint):
     check_sft_folder(sft_checkpoint)
 
 
-def test_sft_two_ranks_zero3_under_torchrun(tmp_path):
-    run("sft.py", *FEW_STEPS, "--zero-stage", "3", "--output-dir", str(tmp_path / "sft"), ranks=2, launch=torchrun)
+def test_sft_two_ranks_zero3(tmp_path):
+    run("sft.py", *FEW_STEPS, "--zero-stage", "3", "--output-dir", str(tmp_path / "sft"), ranks=2)
     check_sft_folder(str(tmp_path / "sft"))
 
 
@@ -153,9 +153,9 @@ def test_reward_model_one_rank(sft_checkpoint, tmp_path):
     assert abs(scores.mean().item()) < 0.3 and abs(scores.std().item() - 1) < 0.25, (scores.mean(), scores.std())
 
 
-def test_reward_model_two_ranks_zero3_under_torchrun(sft_checkpoint, tmp_path):
+def test_reward_model_two_ranks_zero3(sft_checkpoint, tmp_path):
     result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--zero-stage", "3",
-                 "--output-dir", str(tmp_path / "rm"), "--normalization-samples", "64", ranks=2, launch=torchrun)
+                 "--output-dir", str(tmp_path / "rm"), "--normalization-samples", "64", ranks=2)
     assert "reward normalization: on 64 responses" in result.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
 

@@ -1,0 +1,158 @@
+"""The launchers: the stages under torchrun as under deepspeed, and across two nodes, simulated on this machine by two
+torchrun launchers of one rank each (node ranks 0 and 1, node 0's address), as a cluster without SSH starts them.
+
+Each node has its own local rank 0, so what must happen once (one-time lines, the output folder, its lock, the logs)
+must follow the job's rank 0; and a run across nodes must compute exactly what the same ranks compute on one node.
+The deepspeed launcher's own two-node start (--no_ssh) is test_architectures.test_ppo_across_two_nodes.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+import ppo
+import reward_model
+import sft
+from test_architectures import no_runs_of
+from test_ppo import FEW_ITERATIONS, check_actor_trained, check_metrics, read_metrics
+from test_sft_and_reward_model import (ENV, check_reward_model_folder, check_sft_folder, check_stops, free_port,
+                                       processes_with, run, torchrun)
+
+# One or two optimizer steps on 2 ranks. At --max-seq-len 32, SFT drops 4 of these 32 train rows (prompt, response
+# and EOS longer than 32 tokens): a line that only the job's rank 0 prints.
+FEWER_STEPS = ["--train-split", "train[:32]", "--eval-split", "test[:16]", "--per-device-train-batch-size", "8"]
+
+
+def two_nodes(script, *flags, log_dir):
+    """`script flags` across two nodes of one rank each, simulated here: one torchrun per node, started together, each
+    with its node rank and node 0's address and port. Returns what each node printed. If one node fails, the other
+    would wait for it (in a collective, then in torchrun's exit barrier, minutes): its launcher is killed, and its
+    rank stops by itself once its launcher is gone (watch_launcher)."""
+    port, logs, nodes = free_port(), [log_dir / f"node_{node}.log" for node in (0, 1)], []
+    for node, log in enumerate(logs):
+        with open(log, "w") as output:
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), script, *flags],
+                stdout=output, stderr=subprocess.STDOUT, env=ENV))
+    deadline = time.time() + 300
+    while any(node.poll() is None for node in nodes) and time.time() < deadline:
+        if any(node.poll() for node in nodes):  # one failed
+            break
+        time.sleep(0.2)
+    for node in nodes:
+        node.kill()
+        node.wait()
+    outputs = [log.read_text() for log in logs]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """SFT across two simulated nodes, then the reward model on 2 ranks of one node under torchrun (which sets only
+    the environment: no --local_rank), a few steps each. Their checkpoints, as ppo.py's flags, and their outputs."""
+    root = tmp_path_factory.mktemp("launchers")
+    sft = two_nodes("sft.py", *FEWER_STEPS, "--max-seq-len", "32", "--output-dir", str(root / "sft"),
+                    "--exp-name", "test_launchers_sft", log_dir=root)
+    reward_model = run("reward_model.py", *FEWER_STEPS, "--model-name-or-path", str(root / "sft"),
+                       "--normalization-samples", "16", "--output-dir", str(root / "rm"),
+                       "--exp-name", "test_launchers_rm", ranks=2, launch=torchrun)
+    no_runs_of("test_launchers_sft")
+    no_runs_of("test_launchers_rm")
+    return {"flags": ["--actor-model-name-or-path", str(root / "sft"), "--reward-model-name-or-path", str(root / "rm")],
+            "sft": sft, "reward_model": reward_model.stdout}
+
+
+def test_sft_across_two_nodes_and_the_reward_model_under_torchrun(stages):
+    """Node 1's rank is its node's local rank 0, not the job's rank 0: it prints none of rank 0's lines (the dropped
+    rows, the losses, the save); had it claimed the output folder too, the lock would have stopped one of them."""
+    node_0, node_1 = stages["sft"]
+    for line in ["dropped 4 of 32 rows of split 'train[:32]'", "held-out loss before training", "saved the SFT model"]:
+        assert line in node_0 and line not in node_1, line
+    check_sft_folder(stages["flags"][1])
+    assert "reward normalization: on 16 responses" in stages["reward_model"]
+    check_reward_model_folder(stages["flags"][3])
+
+
+def test_ppo_across_two_nodes_computes_what_two_ranks_on_one_node_do(stages, tmp_path):
+    """Two iterations across two simulated nodes (torchrun) and on 2 ranks of one node (deepspeed), with the same
+    flags, the actor's weights partitioned across the ranks (ZeRO-3): the same metrics, since every rank takes its
+    prompts and seeds by its global rank. Across nodes, only rank 0 prints and writes: one metrics file with each
+    iteration once, and an output folder with the same files as the one-node run's."""
+    flags = [*stages["flags"], *FEW_ITERATIONS, "--total-episodes", "32", "--actor-zero-stage", "3"]
+    no_runs_of("test_launchers_nodes")
+    no_runs_of("test_launchers_one_node")
+    node_0, node_1 = two_nodes("ppo.py", *flags, "--output-dir", str(tmp_path / "nodes"),
+                               "--exp-name", "test_launchers_nodes", log_dir=tmp_path)
+    run("ppo.py", *flags, "--output-dir", str(tmp_path / "one_node"), "--exp-name", "test_launchers_one_node", ranks=2)
+    across_nodes, one_node = read_metrics("test_launchers_nodes"), read_metrics("test_launchers_one_node")
+    check_metrics(across_nodes, 2)
+    check_metrics(one_node, 2)
+    assert "iteration 2/2" in node_0 and "iteration 1/2" not in node_1 and "saved the actor" not in node_1
+    for nodes, node in zip(across_nodes, one_node):
+        for name, value in node.items():
+            if not name.startswith(("time/", "memory/", "eps")):
+                assert nodes[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (node["iteration"], name)
+    assert sorted(os.listdir(tmp_path / "nodes")) == sorted(os.listdir(tmp_path / "one_node"))
+    check_actor_trained(tmp_path / "nodes", stages["flags"])
+
+
+def test_a_rank_waiting_for_the_other_node_stops_with_its_launcher(tmp_path):
+    """Node 0 started alone, as with a node that never comes up (deepspeed --no_ssh, node rank 0 of 2): its rank waits
+    in the set-up for its peer, up to the process group's half-hour timeout. Its launcher killed meanwhile, the rank
+    must stop within seconds (watch_launcher), not wait on as an orphan."""
+    hostfile, log, out, port = tmp_path / "hostfile", tmp_path / "node_0.log", tmp_path / "sft", free_port()
+    hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
+    with open(log, "w") as output:
+        node_0 = subprocess.Popen(
+            [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
+             "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "sft.py", "--output-dir", str(out)],
+            stdout=output, stderr=subprocess.STDOUT, env=ENV)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # until rank 0 listens on the port: it has begun to wait for rank 1
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    node_0.kill()
+    node_0.wait()
+    killed = time.time()
+    while processes_with(str(out)) and time.time() < killed + 15:
+        time.sleep(0.2)
+    left = processes_with(str(out))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left and "the launcher that started this rank is gone" in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("stage", [sft, reward_model, ppo])
+def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(stage, monkeypatch):
+    """On node 1 (RANK=1, LOCAL_RANK=0) on_rank_0 must not run its function (claim_output_dir, start_run) but take
+    rank 0's result. The two-node runs cannot show it: rank 0's broadcast overwrites what node 1 did, and node 1's
+    claim of the output folder fails (or wins) only when the two race for its lock."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: objects.__setitem__(0, "rank 0's"))
+    assert stage.on_rank_0(lambda: pytest.fail("ran on node 1")) == "rank 0's"
+
+
+def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
+    """Nodes share the output folder's filesystem, and a lock's pid means something only on the host that wrote it:
+    a lock of another host stops the run even where no process of that pid lives."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for stage in (sft, reward_model, ppo):
+        out = tmp_path / stage.__name__
+        out.mkdir()
+        (out / ".lock").write_text(f"node-7 {gone.pid}")
+        check_stops([(lambda: stage.claim_output_dir(str(out), {}, True),
+                      f"is in use by another run (pid {gone.pid} on node-7)")])
+        assert (out / ".lock").read_text() == f"node-7 {gone.pid}"
