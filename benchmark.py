@@ -1,18 +1,25 @@
 """Benchmark: ppo.py against the limit of its own model calls.
 
 For one shape, this script builds random-init models in a temporary folder and runs ppo.py on them for a few
-iterations after a warm-up, on one rank and then on 2 ranks at several actor ZeRO stages. It then times the same
-work as bare torch calls on the same models, with no DeepSpeed and no bookkeeping: one `generate` of the batch, the
-forward passes of actor, reference, critic and reward, and the forward, backward and optimizer steps of actor and
-critic for the same number of micro-batches. That sum is the "limit". Responses are forced to full length: the
-benchmark's tokenizer puts EOS outside the models' vocabulary, so no model can sample it.
+iterations after a warm-up, on one rank and then on 2 ranks at several actor ZeRO stages. It then times the limit:
+the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models (time_limit):
+one `generate` with the KV cache and the same stopping, the no-gradient forward passes of actor, reference, critic
+and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch the forward, backward,
+gradient clipping and fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statistics, no
+logging and no learning-rate schedule, so ppo.py's iteration cannot be shorter. Responses are forced to full length:
+the benchmark's tokenizer puts EOS outside the models' vocabulary, so no model can sample it.
 
-    python benchmark.py                       # the default CPU shape (about 2 minutes on 2 cores)
+    python benchmark.py                       # the default CPU shape (about 3 minutes on 2 cores)
+    python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
 
 Prints one table and writes it as JSON (--output-json) for comparison across commits.
 """
 
+import ast
+import contextlib
+import functools
+import inspect
 import json
 import os
 import socket
@@ -24,17 +31,22 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+import deepspeed
 import torch
 import tyro
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
-    GenerationConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
 )
 from transformers.utils import logging
+
+import ppo
+import rlhf_math
 
 logging.disable_progress_bar()
 
@@ -81,6 +93,11 @@ class Args:
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""
     output_json: str = "benchmark.json"
     """where the table is written"""
+    profile: bool = False
+    """instead of the table: where one iteration's time goes, phase by phase, in ppo.py (one rank, in this process)
+    and in the limit"""
+    profile_zero_stage: int = 0
+    """the actor's ZeRO stage in the profile"""
 
 
 def build_models(args: Args, folder: str) -> None:
@@ -113,21 +130,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
-    """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
-    exp_name = f"benchmark_{ranks}ranks_zero{stage}"
+def ppo_flags(args: Args, folder: str, ranks: int, stage: int, exp_name: str, iterations: int) -> list[str]:
+    """ppo.py's flags for the benchmark's models and prompts, one rank's share of the episodes, at an actor ZeRO stage."""
     per_rank = args.episodes // ranks
-    command = [
-        "ppo.py", "--actor-model-name-or-path", os.path.join(folder, "policy"),
+    return [
+        "--actor-model-name-or-path", os.path.join(folder, "policy"),
         "--reward-model-name-or-path", os.path.join(folder, "reward"), "--dataset", os.path.join(folder, "prompts.jsonl"),
         "--max-prompt-len", str(args.prompt_len), "--max-new-tokens", str(args.response_len),
-        "--total-episodes", str(args.episodes * (args.warmup_iterations + args.iterations)),
+        "--total-episodes", str(args.episodes * iterations),
         "--per-device-rollout-batch-size", str(per_rank), "--num-ppo-epochs", str(args.num_ppo_epochs),
         "--num-mini-batches", str(args.num_mini_batches),
         "--per-device-train-batch-size", str(per_rank // args.num_mini_batches // args.micro_batches_per_mini_batch),
         "--actor-zero-stage", str(stage), "--dtype", args.dtype, "--sample-every", "0",
         "--exp-name", exp_name, "--output-dir", os.path.join(folder, exp_name),
     ]
+
+
+def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
+    """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
+    exp_name = f"benchmark_{ranks}ranks_zero{stage}"
+    command = ["ppo.py", *ppo_flags(args, folder, ranks, stage, exp_name, args.warmup_iterations + args.iterations)]
     if ranks > 1:
         command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                    *command]
@@ -153,61 +175,221 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     return result
 
 
-def time_limit(args: Args, folder: str, ranks: int) -> dict:
-    """The same model calls as one rank of ppo.py makes in an iteration, as bare torch calls, timed."""
+# ---------------------------------------------------------------------------------------------------------------
+# Phases: where an iteration's time goes. The limit times its phases itself; ppo.py's are timed by wrapping the
+# functions it calls for each (--profile, in this process, one rank).
+# ---------------------------------------------------------------------------------------------------------------
+PHASES = ["generation", "actor log-probs", "reference log-probs", "critic values", "reward scores",
+          "rewards, GAE and whitening", "actor forward and loss", "critic forward and loss", "actor backward",
+          "critic backward", "optimizer steps", "checks, statistics and logging"]
+
+
+def phase_timer(synchronize: bool):
+    """(totals, phase): `with phase(name):` adds the time spent inside to totals[name], less the time of phases
+    nested in it, which count for themselves. With synchronize (a GPU, --profile), every boundary waits for the
+    device, so that time lands where the work is queued."""
+    totals, stack = dict.fromkeys(PHASES, 0.0), []
+
+    def now() -> float:
+        if synchronize:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        start = now()
+        if stack:  # the enclosing phase stops counting
+            totals[stack[-1][0]] += start - stack[-1][1]
+        stack.append([name, start])
+        try:
+            yield
+        finally:
+            end = now()
+            totals[name] += end - stack.pop()[1]
+            if stack:
+                stack[-1][1] = end
+
+    return totals, phase
+
+
+def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> dict:
+    """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings, timed: the same
+    model calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math
+    of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // ranks))
+    defaults = ppo.Args()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "policy"))
     policy_path, reward_path = os.path.join(folder, "policy"), os.path.join(folder, "reward")
-    actor = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device)
-    reference = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device)
-    critic = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device)
+    actor = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device).train()
+    reference = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device).requires_grad_(False)
+    critic = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device).train()
     reward = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device)
-    reference.requires_grad_(False)
     reward.requires_grad_(False)
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-6)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-6)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, fused=True)
+                  for model in (actor, critic)]
     per_rank = args.episodes // ranks
-    micro = per_rank // args.num_mini_batches // args.micro_batches_per_mini_batch
+    per_mini_batch = per_rank // args.num_mini_batches
+    micro = per_mini_batch // args.micro_batches_per_mini_batch
     prompts = torch.randint(1, args.vocab_size, (per_rank, args.prompt_len), device=device)
-    generation_config = GenerationConfig(max_new_tokens=args.response_len, do_sample=True, top_k=0, top_p=1.0,
-                                         eos_token_id=args.vocab_size, pad_token_id=0, suppress_tokens=[0])
+    generation_config = ppo.sampling_config(tokenizer, args.response_len, defaults.temperature)
+    P = args.prompt_len
 
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def one_iteration() -> dict:
-        times = {}
+    def one_iteration(phase) -> dict:
         synchronize()
-        start = time.time()
+        start = time.perf_counter()
         with torch.no_grad():
-            sequences = actor.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                                       generation_config=generation_config)
-            synchronize()
-            times["generation"] = time.time() - start
-            for model in (actor, reference, critic, reward):
-                for chunk in sequences.split(micro):
-                    model(input_ids=chunk)
+            with phase("generation"):
+                actor.eval()
+                sequences = actor.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                                           generation_config=generation_config)
+                actor.train()
+            mask = rlhf_math.response_mask_from_stop(sequences[:, P:], tokenizer.eos_token_id)
+            attention_mask = torch.cat([torch.ones_like(prompts), mask], dim=1)
+            chunks = list(zip(sequences.split(micro), attention_mask.split(micro)))
+            with phase("actor log-probs"):
+                logprobs = torch.cat([ppo.response_logprobs(actor, s, m, P, 1.0) for s, m in chunks])
+            with phase("reference log-probs"):
+                ref_logprobs = torch.cat([ppo.response_logprobs(reference, s, m, P, 1.0) for s, m in chunks])
+            with phase("critic values"):
+                values = torch.cat([ppo.critic_values(critic, s, m, P, 0.0, 1.0) for s, m in chunks])
+            with phase("reward scores"):
+                scores = torch.cat([ppo.reward_scores(reward, s, m, P, 0.0, 1.0) for s, m in chunks])
+            with phase("rewards, GAE and whitening"):
+                rewards, _ = rlhf_math.per_token_rewards(scores, logprobs, ref_logprobs, mask, defaults.kl_coef,
+                                                         defaults.clip_score, defaults.kl_estimator)
+                advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, mask, defaults.gamma,
+                                                                           defaults.lam)
+                advantages = rlhf_math.masked_whiten(advantages, mask)
         synchronize()
-        times["rollout"] = time.time() - start
-        start = time.time()
-        for _ in range(args.num_ppo_epochs * args.num_mini_batches):
-            for chunk in sequences.split(micro)[: args.micro_batches_per_mini_batch]:
-                actor(input_ids=chunk).logits.float().mean().backward()
-                critic(input_ids=chunk).logits.float().mean().backward()
-            for optimizer in (actor_optimizer, critic_optimizer):
-                optimizer.step()
-                optimizer.zero_grad()
+        rollout_end = time.perf_counter()
+        for epoch in range(args.num_ppo_epochs):
+            for mini_batch in torch.randperm(per_rank, device=device).split(per_mini_batch):
+                for i in mini_batch.split(micro):
+                    with phase("actor forward and loss"):
+                        new_logprobs = ppo.response_logprobs(actor, sequences[i], attention_mask[i], P, 1.0)
+                        pg_loss, _ = rlhf_math.policy_loss(new_logprobs, logprobs[i], advantages[i], mask[i],
+                                                           defaults.cliprange)
+                    with phase("critic forward and loss"):
+                        new_values = ppo.critic_values(critic, sequences[i], attention_mask[i], P, 0.0, 1.0)
+                        vf_loss, _ = rlhf_math.value_loss(new_values, values[i], returns[i], mask[i],
+                                                          defaults.cliprange_value)
+                    with phase("actor backward"):
+                        (pg_loss / args.micro_batches_per_mini_batch).backward()
+                    with phase("critic backward"):
+                        (vf_loss / args.micro_batches_per_mini_batch).backward()
+                with phase("optimizer steps"):
+                    for model, optimizer in zip((actor, critic), optimizers):
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), defaults.gradient_clipping)
+                        optimizer.step()
+                        optimizer.zero_grad()
         synchronize()
-        times["update"] = time.time() - start
-        return times
+        return {"rollout": rollout_end - start, "update": time.perf_counter() - rollout_end}
 
+    totals, phase = phase_timer(synchronize=profile and device.type == "cuda")
+    if not profile:
+        phase = lambda name: contextlib.nullcontext()  # noqa: E731
     for _ in range(args.warmup_iterations):
-        one_iteration()
-    timed = [one_iteration() for _ in range(args.iterations)]
-    return {name: statistics.median(t[name] for t in timed) for name in ["rollout", "generation", "update"]}
+        one_iteration(phase)
+    totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
+    timed = [one_iteration(phase) for _ in range(args.iterations)]
+    limit = {name: statistics.median(t[name] for t in timed) for name in ["rollout", "update"]}
+    limit["phases"] = {name: total / args.iterations for name, total in totals.items()}
+    limit["mean_iteration"] = statistics.mean(t["rollout"] + t["update"] for t in timed)
+    return limit
+
+
+def profile_ppo(args: Args, folder: str) -> dict:
+    """ppo.py's iteration by phase: its main block run in this process (one rank, the actor at --profile-zero-stage)
+    with the functions it calls for each phase wrapped in a phase timer (the wrappers cost microseconds, a few dozen
+    calls an iteration). An iteration runs from one prompts_of_iteration call to the next, so it includes the
+    logging."""
+    totals, phase = phase_timer(synchronize=torch.cuda.is_available())
+    starts = []
+
+    def grad_or_not(with_grad: str | None, without_grad: str | None):
+        return lambda *a, **k: with_grad if torch.is_grad_enabled() else without_grad
+
+    def always(name: str):
+        return lambda *a, **k: name
+
+    def iteration_start(prompts, iteration, *a, **k):
+        starts.append(time.perf_counter())
+        if iteration == args.warmup_iterations:
+            totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
+        if iteration == args.warmup_iterations + args.iterations:
+            starts.append(dict(totals))
+        return None
+
+    # (owner, function name) -> the phase of a call, from its arguments; None: the phase of its caller.
+    phase_of = {
+        (ppo, "prompts_of_iteration"): iteration_start,
+        (ppo, "sample_responses"): always("generation"),
+        (ppo, "response_logprobs"): lambda model, *a, **k: "actor log-probs" if model.training else "reference log-probs",
+        (ppo, "critic_values"): grad_or_not("critic forward and loss", "critic values"),
+        (ppo, "reward_model_inputs"): always("reward scores"),
+        (ppo, "reward_scores"): always("reward scores"),
+        (ppo, "batch_mean_var"): always("rewards, GAE and whitening"),
+        (rlhf_math, "per_token_rewards"): always("rewards, GAE and whitening"),
+        (rlhf_math, "gae_advantages_and_returns"): always("rewards, GAE and whitening"),
+        (rlhf_math, "masked_whiten"): always("rewards, GAE and whitening"),
+        (ppo, "response_logits"): grad_or_not("actor forward and loss", None),
+        (rlhf_math, "logprobs_from_logits"): grad_or_not("actor forward and loss", None),
+        (rlhf_math, "policy_loss"): always("actor forward and loss"),
+        (rlhf_math, "value_loss"): always("critic forward and loss"),
+        (DeepSpeedEngine, "backward"): lambda engine, *a, **k: "critic backward" if hasattr(engine.module, "score")
+        else "actor backward",
+        (DeepSpeedEngine, "step"): always("optimizer steps"),
+        **{(ppo, name): always("checks, statistics and logging") for name in [
+            "check_finite_rollout", "check_first_ratio", "check_finite_losses", "new_update_sums", "add_update_sums",
+            "iteration_metrics", "log_iteration"]},
+    }
+
+    def timed(function, name_of):
+        @functools.wraps(function)
+        def wrapper(*a, **k):
+            name = name_of(*a, **k)
+            if name is None:
+                return function(*a, **k)
+            with phase(name):
+                return function(*a, **k)
+        return wrapper
+
+    originals = {key: getattr(*key) for key in phase_of}
+    main = ast.parse(inspect.getsource(ppo)).body[-1]  # if __name__ == "__main__": its body, run as ppo.py runs it
+    iterations = args.warmup_iterations + args.iterations + 1  # the last one only ends the timed ones
+    argv, sys.argv = sys.argv, ["ppo.py", *ppo_flags(args, folder, 1, args.profile_zero_stage, "benchmark_profile",
+                                                 iterations)]
+    try:
+        for (owner, name), name_of in phase_of.items():
+            setattr(owner, name, timed(originals[(owner, name)], name_of))
+        exec(compile(ast.Module(body=main.body, type_ignores=[]), ppo.__file__, "exec"), vars(ppo))
+    finally:
+        sys.argv = argv
+        for (owner, name), function in originals.items():
+            setattr(owner, name, function)
+    phases = starts[-1]
+    first, last = starts[args.warmup_iterations], starts[args.warmup_iterations + args.iterations]
+    return {"phases": {name: total / args.iterations for name, total in phases.items()},
+            "mean_iteration": (last - first) / args.iterations}
+
+
+def print_profile(ppo_profile: dict, limit: dict) -> None:
+    """The phases of ppo.py's iteration beside the limit's, in seconds per iteration; "other" is the iteration's time
+    outside every phase."""
+    print("\n| phase | ppo.py s | limit s | ppo.py - limit s |\n|---|---|---|---|")
+    rows = [(name, ppo_profile["phases"][name], limit["phases"][name]) for name in PHASES]
+    rows.append(("other", ppo_profile["mean_iteration"] - sum(ppo_profile["phases"].values()),
+                 limit["mean_iteration"] - sum(limit["phases"].values())))
+    rows.append(("iteration", ppo_profile["mean_iteration"], limit["mean_iteration"]))
+    for name, ours, limit_s in rows:
+        print(f"| {name} | {ours:.4f} | {limit_s:.4f} | {ours - limit_s:+.4f} |")
 
 
 def tensor_bytes(tensors) -> int:
@@ -218,11 +400,6 @@ def model_memory(args: Args, folder: str) -> list[dict]:
     """Bytes of parameters, gradients and optimizer state of ppo.py's four engines, built by ppo.py's own functions
     (one rank, ZeRO-0, fp32: the optimizer is then torch's own AdamW, whose state is all there is) and measured after
     one training step of actor and critic (gradients just before it)."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    import ppo
-
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     ppo_args = ppo.Args(dtype="fp32", per_device_train_batch_size=4, gradient_accumulation_steps=1,
@@ -260,6 +437,12 @@ if __name__ == "__main__":
             if getattr(args, key) == getattr(defaults, key):  # a flag given with another value wins over the preset
                 setattr(args, key, value)
     os.makedirs("runs", exist_ok=True)
+    if args.profile:
+        with tempfile.TemporaryDirectory() as folder:
+            build_models(args, folder)
+            ppo_profile = profile_ppo(args, folder)
+            print_profile(ppo_profile, time_limit(args, folder, 1, profile=True))
+        raise SystemExit(0)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
@@ -267,22 +450,22 @@ if __name__ == "__main__":
         limits = {}
         for ranks, stage in configs:
             print(f"ppo.py, {ranks} rank(s), actor ZeRO-{stage} ...", flush=True)
-            ppo = run_ppo(args, folder, ranks, stage)
+            measured = run_ppo(args, folder, ranks, stage)
             if ranks not in limits:
                 print(f"bare torch calls, the work of one of {ranks} rank(s) ...", flush=True)
                 limits[ranks] = time_limit(args, folder, ranks)
             limit = limits[ranks]
-            iteration = ppo["rollout"] + ppo["update"]
+            iteration = measured["rollout"] + measured["update"]
             rows.append({
                 "config": f"{ranks} rank{'s' if ranks > 1 else ''}, actor ZeRO-{stage}",
-                "rollout_s": ppo["rollout"], "rollout_limit_s": limit["rollout"],
-                "update_s": ppo["update"], "update_limit_s": limit["update"],
+                "rollout_s": measured["rollout"], "rollout_limit_s": limit["rollout"],
+                "update_s": measured["update"], "update_limit_s": limit["update"],
                 "iteration_s": iteration, "iteration_limit_s": limit["rollout"] + limit["update"],
-                "generation_share": ppo["generation"] / iteration,
+                "generation_share": measured["generation"] / iteration,
                 "episodes_per_s": args.episodes / iteration,
-                "generated_tokens_per_s": args.episodes * args.response_len / ppo["generation"],
-                "peak_rss_gb": ppo["peak_rss_gb"],
-                "gpu_max_allocated_gb": ppo["max_allocated_gb"], "gpu_max_reserved_gb": ppo["max_reserved_gb"],
+                "generated_tokens_per_s": args.episodes * args.response_len / measured["generation"],
+                "peak_rss_gb": measured["peak_rss_gb"],
+                "gpu_max_allocated_gb": measured["max_allocated_gb"], "gpu_max_reserved_gb": measured["max_reserved_gb"],
             })
 
         memory = model_memory(args, folder)
@@ -302,9 +485,14 @@ if __name__ == "__main__":
     for m in memory:
         print(f"| {m['model']} | {m['parameters_mb']:.2f} | {m['gradients_mb']:.2f} | {m['optimizer_state_mb']:.2f} |")
     by_config = {r["config"]: r for r in rows}
-    if "2 ranks, actor ZeRO-3" in by_config and "2 ranks, actor ZeRO-0" in by_config:
-        ratio = by_config["2 ranks, actor ZeRO-3"]["rollout_s"] / by_config["2 ranks, actor ZeRO-0"]["rollout_s"]
-        print(f"\nrollout time, actor ZeRO-3 / ZeRO-0 on 2 ranks: {ratio:.2f}")
+    if "2 ranks, actor ZeRO-0" in by_config:
+        zero0 = by_config["2 ranks, actor ZeRO-0"]
+        print()
+        for stage in [s for s in args.two_rank_stages if s != 0]:
+            r = by_config[f"2 ranks, actor ZeRO-{stage}"]
+            print(f"actor ZeRO-{stage} / ZeRO-0 on 2 ranks: rollout {r['rollout_s'] / zero0['rollout_s']:.2f}, "
+                  f"update {r['update_s'] / zero0['update_s']:.2f}, "
+                  f"iteration {r['iteration_s'] / zero0['iteration_s']:.2f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
         json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory}, f, indent=2)

@@ -21,6 +21,7 @@ import torch
 import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+import benchmark
 import ppo
 import rlhf_math
 from ppo import response_logits
@@ -539,6 +540,17 @@ def test_benchmark(tmp_path):
     result = json.loads(output.read_text())
     assert result["args"]["dtype"] == "bf16" and result["args"]["num_heads"] == 8 and result["args"]["hidden_size"] == 64
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0"]
+
+    # --profile: every phase of ppo.py's iteration is found and timed (a phase at 0 would mean ppo.py no longer
+    # calls the function the profile wraps for it), and the limit's phases too (it does no checks or logging).
+    profile = run("benchmark.py", "--profile", "--profile-zero-stage", "3", *small, "--warmup-iterations", "1",
+                  "--iterations", "1").stdout
+    rows = {line.split(" | ")[0].strip("| "): [float(x) for x in line.split(" | ")[1:3]]
+            for line in profile.splitlines() if line.startswith("| ") and not line.startswith("| phase")}
+    assert set(rows) == {*benchmark.PHASES, "other", "iteration"}, profile
+    for name in benchmark.PHASES:
+        ours, limit = rows[name]
+        assert ours > 0 and (limit > 0) == (name != "checks, statistics and logging"), (name, profile)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
