@@ -87,8 +87,12 @@ class Args:
     """forward passes per mini-batch (gradient accumulation)"""
     warmup_iterations: int = 2
     """iterations run but not timed"""
-    iterations: int = 15
+    iterations: int = 10
     """iterations timed"""
+    repeats: int = 3
+    """rounds: in each, every configuration's ppo.py and the limit run once, alternating, each in a process of its
+    own; the table shows the median over the rounds (on a small shared CPU one process's timings drift by 5-15%
+    against another's)"""
     two_rank_stages: list[int] = field(default_factory=lambda: [0, 2, 3])
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""
     output_json: str = "benchmark.json"
@@ -146,6 +150,15 @@ def ppo_flags(args: Args, folder: str, ranks: int, stage: int, exp_name: str, it
     ]
 
 
+def rank_env(ranks: int) -> dict:
+    """The environment of a process that does one rank's work: on a CPU, each of the ranks gets its share of the
+    cores through OMP_NUM_THREADS, read when torch loads (torch.set_num_threads in a running process is slower)."""
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore"}
+    if ranks > 1 and not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))
+    return env
+
+
 def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
     exp_name = f"benchmark_{ranks}ranks_zero{stage}"
@@ -153,11 +166,8 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     if ranks > 1:
         command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                    *command]
-    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore"}
-    if ranks > 1 and not torch.cuda.is_available():
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // ranks))  # the cores shared between the ranks
-    process = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen([sys.executable, *command], env=rank_env(ranks), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     output = process.stdout.read()
     # wait4 gives the rusage of the finished process tree: ru_maxrss is the peak of its largest process, in KiB.
     _, status, rusage = os.wait4(process.pid, 0)
@@ -215,11 +225,10 @@ def phase_timer(synchronize: bool):
 def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> dict:
     """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings, timed: the same
     model calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math
-    of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW."""
+    of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW. Run it in a process
+    with the environment of such a rank (time_limit_in_own_process)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // ranks))
     defaults = ppo.Args()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "policy"))
     policy_path, reward_path = os.path.join(folder, "policy"), os.path.join(folder, "reward")
@@ -303,6 +312,19 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> di
     limit["phases"] = {name: total / args.iterations for name, total in totals.items()}
     limit["mean_iteration"] = statistics.mean(t["rollout"] + t["update"] for t in timed)
     return limit
+
+
+def time_limit_in_own_process(args: Args, folder: str, ranks: int) -> dict:
+    """time_limit in a new Python process with the environment of one of `ranks` ranks, started as ppo.py's runs
+    are (a plain `python`, not a multiprocessing child)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import benchmark; print(json.dumps(benchmark.time_limit("
+            "benchmark.Args(**json.loads(sys.argv[2])), sys.argv[3], int(sys.argv[4]))))")
+    result = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
+                             json.dumps(asdict(args)), folder, str(ranks)], env=rank_env(ranks), capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark.py: the limit failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
 
 
 def profile_ppo(args: Args, folder: str) -> dict:
@@ -446,15 +468,21 @@ if __name__ == "__main__":
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
-        configs = [(1, 0)] + [(2, stage) for stage in args.two_rank_stages]
-        limits = {}
-        for ranks, stage in configs:
-            print(f"ppo.py, {ranks} rank(s), actor ZeRO-{stage} ...", flush=True)
-            measured = run_ppo(args, folder, ranks, stage)
-            if ranks not in limits:
-                print(f"bare torch calls, the work of one of {ranks} rank(s) ...", flush=True)
-                limits[ranks] = time_limit(args, folder, ranks)
-            limit = limits[ranks]
+        configs = {1: [0], 2: args.two_rank_stages}
+        runs = {(ranks, stage): [] for ranks, stages in configs.items() for stage in stages}
+        limits = {ranks: [] for ranks, stages in configs.items() if stages}
+        for round_number in range(1, args.repeats + 1):
+            for ranks in limits:
+                for stage in configs[ranks]:
+                    print(f"round {round_number}/{args.repeats}: ppo.py, {ranks} rank(s), actor ZeRO-{stage} ...",
+                          flush=True)
+                    runs[(ranks, stage)].append(run_ppo(args, folder, ranks, stage))
+                print(f"round {round_number}/{args.repeats}: the limit, the work of one of {ranks} rank(s) ...",
+                      flush=True)
+                limits[ranks].append(time_limit_in_own_process(args, folder, ranks))
+        for (ranks, stage), measured_runs in runs.items():
+            measured = {key: statistics.median(m[key] for m in measured_runs) for key in measured_runs[0]}
+            limit = {key: statistics.median(m[key] for m in limits[ranks]) for key in ["rollout", "update"]}
             iteration = measured["rollout"] + measured["update"]
             rows.append({
                 "config": f"{ranks} rank{'s' if ranks > 1 else ''}, actor ZeRO-{stage}",

@@ -521,7 +521,7 @@ def test_benchmark(tmp_path):
     """benchmark.py runs ppo.py (here also on 2 ranks with the actor under ZeRO-3 in fp32, where the first PPO ratio
     must be exactly 1) and the bare calls, and its figures show no gradients or optimizer state for frozen models."""
     output = tmp_path / "benchmark.json"
-    run("benchmark.py", "--warmup-iterations", "0", "--iterations", "1", "--two-rank-stages", "3",
+    run("benchmark.py", "--warmup-iterations", "0", "--iterations", "1", "--repeats", "1", "--two-rank-stages", "3",
         "--output-json", str(output))
     result = json.loads(output.read_text())
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0", "2 ranks, actor ZeRO-3"]
@@ -535,7 +535,7 @@ def test_benchmark(tmp_path):
     # The GPU preset (Pythia-1B's shape, bf16), shrunk to run here.
     small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
              "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
-    run("benchmark.py", "--preset", "pythia-1b", *small, "--warmup-iterations", "0", "--iterations", "1",
+    run("benchmark.py", "--preset", "pythia-1b", *small, "--warmup-iterations", "0", "--iterations", "1", "--repeats", "1",
         "--output-json", str(output))
     result = json.loads(output.read_text())
     assert result["args"]["dtype"] == "bf16" and result["args"]["num_heads"] == 8 and result["args"]["hidden_size"] == 64
