@@ -2,13 +2,13 @@
 
 For one shape, this script builds random-init models in a temporary folder and runs ppo.py on them for a few
 iterations after a warm-up, on one rank and then on 2 ranks at several actor ZeRO stages, in rounds that alternate
-each run of ppo.py with a run of the limit, each in a process of its own. The limit is
-the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models (time_limit):
-one `generate` with the KV cache and the same stopping, the no-gradient forward passes of actor, reference, critic
-and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch the forward, backward,
-gradient clipping and fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statistics, no
-logging and no learning-rate schedule, so ppo.py's iteration cannot be shorter. Responses are forced to full length:
-the benchmark's tokenizer puts EOS outside the models' vocabulary, so no model can sample it.
+each run of ppo.py with a run of the limit, each in a process of its own. The limit is the least work an iteration
+of ppo.py needs, done through ppo.py's own helpers on plain torch models (time_limit): one `generate` with the KV
+cache and the same stopping, the no-gradient forward passes of actor, reference, critic and reward in the same
+micro-batches, the rewards, GAE and whitening, and for each mini-batch the forward, backward, gradient clipping and
+fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statistics, no logging and no learning-rate
+schedule, so ppo.py's iteration cannot be shorter. Responses are forced to full length: the benchmark's tokenizer
+puts EOS outside the models' vocabulary, so no model can sample it.
 
     python benchmark.py                       # the default CPU shape (about 4.5 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
