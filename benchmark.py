@@ -7,7 +7,7 @@ of ppo.py needs, done through ppo.py's own helpers on plain torch models (time_l
 cache and the same stopping, the no-gradient forward passes of actor, reference, critic and reward in the same
 micro-batches, the rewards, GAE and whitening, and for each mini-batch the forward, backward, gradient clipping and
 fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statistics, no logging and no learning-rate
-schedule, so ppo.py's iteration cannot be shorter. Responses are forced to full length: the benchmark's tokenizer
+schedule: less work than ppo.py's iteration. Responses are forced to full length: the benchmark's tokenizer
 puts EOS outside the models' vocabulary, so no model can sample it.
 
     python benchmark.py                       # the default CPU shape (about 4.5 minutes on 2 cores)
@@ -264,9 +264,11 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> di
             attention_mask = torch.cat([torch.ones_like(prompts), mask], dim=1)
             chunks = list(zip(sequences.split(micro), attention_mask.split(micro)))
             with phase("actor log-probs"):
-                logprobs = torch.cat([ppo.response_logprobs(actor, s, m, P, 1.0) for s, m in chunks])
+                logprobs = torch.cat([ppo.response_logprobs(actor, s, m, P, defaults.temperature)
+                                      for s, m in chunks])
             with phase("reference log-probs"):
-                ref_logprobs = torch.cat([ppo.response_logprobs(reference, s, m, P, 1.0) for s, m in chunks])
+                ref_logprobs = torch.cat([ppo.response_logprobs(reference, s, m, P, defaults.temperature)
+                                          for s, m in chunks])
             with phase("critic values"):
                 values = torch.cat([ppo.critic_values(critic, s, m, P, 0.0, 1.0) for s, m in chunks])
             with phase("reward scores"):
@@ -283,7 +285,8 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> di
             for mini_batch in torch.randperm(per_rank, device=device).split(per_mini_batch):
                 for i in mini_batch.split(micro):
                     with phase("actor forward and loss"):
-                        new_logprobs = ppo.response_logprobs(actor, sequences[i], attention_mask[i], P, 1.0)
+                        new_logprobs = ppo.response_logprobs(actor, sequences[i], attention_mask[i], P,
+                                                             defaults.temperature)
                         pg_loss, _ = rlhf_math.policy_loss(new_logprobs, logprobs[i], advantages[i], mask[i],
                                                            defaults.cliprange)
                     with phase("critic forward and loss"):
@@ -334,7 +337,7 @@ def profile_ppo(args: Args, folder: str) -> dict:
     calls an iteration). An iteration runs from one prompts_of_iteration call to the next, so it includes the
     logging."""
     totals, phase = phase_timer(synchronize=torch.cuda.is_available())
-    starts = []
+    starts, timed_totals = [], {}  # each iteration's start; the phase totals when the timed iterations end
 
     def grad_or_not(with_grad: str | None, without_grad: str | None):
         return lambda *a, **k: with_grad if torch.is_grad_enabled() else without_grad
@@ -347,7 +350,7 @@ def profile_ppo(args: Args, folder: str) -> dict:
         if iteration == args.warmup_iterations:
             totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
         if iteration == args.warmup_iterations + args.iterations:
-            starts.append(dict(totals))
+            timed_totals.update(totals)
         return None
 
     # (owner, function name) -> the phase of a call, from its arguments; None: the phase of its caller.
@@ -397,9 +400,8 @@ def profile_ppo(args: Args, folder: str) -> dict:
         sys.argv = argv
         for (owner, name), function in originals.items():
             setattr(owner, name, function)
-    phases = starts[-1]
     first, last = starts[args.warmup_iterations], starts[args.warmup_iterations + args.iterations]
-    return {"phases": {name: total / args.iterations for name, total in phases.items()},
+    return {"phases": {name: total / args.iterations for name, total in timed_totals.items()},
             "mean_iteration": (last - first) / args.iterations}
 
 

@@ -535,8 +535,8 @@ def test_benchmark(tmp_path):
     # The GPU preset (Pythia-1B's shape, bf16), shrunk to run here.
     small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
              "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
-    run("benchmark.py", "--preset", "pythia-1b", *small, "--warmup-iterations", "0", "--iterations", "1", "--repeats", "1",
-        "--output-json", str(output))
+    run("benchmark.py", "--preset", "pythia-1b", *small, "--warmup-iterations", "0", "--iterations", "1",
+        "--repeats", "1", "--output-json", str(output))
     result = json.loads(output.read_text())
     assert result["args"]["dtype"] == "bf16" and result["args"]["num_heads"] == 8 and result["args"]["hidden_size"] == 64
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0"]
