@@ -721,22 +721,55 @@ def set_up_distributed(args: Args) -> torch.device:
     if args.enable_hybrid_engine and get_accelerator().device_name() == "cpu":
         fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     get_accelerator().set_device(args.local_rank)
+    if get_accelerator().device_name() == "cpu":
+        one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
     # process now and then ("terminate called without an active exception", exit code -6), a finished run too
     # (torch 2.13). Checked first, since tests run a script several times in one process.
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if get_accelerator().device_name() == "cpu":
+        remove_shared_memory_file()
     args.world_size = dist.get_world_size()
     return torch.device(get_accelerator().device_name(args.local_rank))
+
+
+def one_openmp_thread_for_new_threads() -> None:
+    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
+    The collectives run on gloo's worker threads, and with torch's default each of them starts an OpenMP team of its
+    own at its first large tensor copy. The process then has more OpenMP threads than cores, libgomp puts idle threads
+    to sleep at once instead of spinning, and every operation of every model waits for its threads to wake up (the
+    bundled task under ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the calling
+    thread's count and the count that a thread takes at its first parallel operation, so it is called from a
+    short-lived thread of its own (checked with torch 2.13: test_new_threads_take_one_openmp_thread)."""
+    torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
+    setter = threading.Thread(target=torch.set_num_threads, args=(1,))
+    setter.start()
+    setter.join()
+
+
+def remove_shared_memory_file() -> None:
+    """DeepSpeed's shared-memory all-reduce for the CPU ranks of one node (for its inference engine; unused here) gives
+    each rank a 66 MB file in /dev/shm when the process group starts, and never removes it: every run would keep that
+    much memory per rank until the machine restarts. Once every rank has joined, each has mapped the others' files, so
+    each rank removes its own name, and the memory goes when the last rank exits (the name is the one DeepSpeed
+    0.19.8's shm.cpp gives it; a job across nodes or under torchrun makes none)."""
+    dist.barrier()  # every rank has mapped every rank's file
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+            f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
+    if os.path.exists(name):
+        os.remove(name)
 
 
 def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
-    # DeepSpeed-Chat's threshold: ZeRO-3 keeps parameters under 10k elements (norms, biases) whole on every rank.
+    # ZeRO-3 keeps no small parameter whole on every rank (DeepSpeed-Chat keeps those under 10k elements, norms and
+    # biases): each one kept whole costs an all-gather of its own after every optimizer step, while a partitioned one
+    # comes in the coalesced all-gather that prefetches its layer's weights.
     # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
     # whole process and every model in it, with a slower autograd function.
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 1e4, "memory_efficient_linear": False}
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False}
     if offload and trained:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload and stage == 3:
@@ -780,6 +813,7 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
         model = add_lora(model, lora_dim, args)
         if new_head and learning_rate is not None:
             model.score.requires_grad_(True)  # a fresh value head must learn, even with --only-optimize-lora
+    stage = ds_config["zero_optimization"]["stage"]
     if learning_rate is None:
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
@@ -801,6 +835,10 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     engine.train()  # dropout is off, so train and eval mode compute the same; train mode enables checkpointing
+    if stage == 0 and dist.get_world_size() == 1:
+        # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
+        # it and copy them back after every backward pass (checked with DeepSpeed 0.19.8).
+        engine.enable_backward_allreduce = False
     return engine
 
 
@@ -851,36 +889,42 @@ def build_engines(args: Args, critic_path: str):
 
 @contextlib.contextmanager
 def gathered(engine, enabled: bool):
-    """Under ZeRO-3, gather a model's full weights once and take DeepSpeed's per-layer hooks off, so that generating
-    and scoring do not gather the weights again layer by layer for every new token and every forward pass (the
-    recipe of TRL's unwrap_model_for_generation). Only for no-gradient work: the hooks are back for the update.
-    Beyond TRL's recipe, the weights come in one coalesced all-gather, not one per parameter, and the
-    start-of-forward hook is off too (while DeepSpeed has no complete trace of the module order, as for a frozen
-    model it never has, that hook makes a collective check on every forward pass). Does nothing below ZeRO-3.
+    """Under ZeRO-3, gather a model's full weights once and take DeepSpeed's hooks off, so that generating and
+    scoring do not gather the weights again block by block for every new token and every forward pass (the recipe of
+    TRL's unwrap_model_for_generation). Only for no-gradient work: the hooks are back for the update. Beyond TRL's
+    recipe, the weights come in one coalesced all-gather, not one per parameter; the engine's own hooks around each
+    forward pass are off too; and the hooks come back as they were, in their modules' hook tables, instead of being
+    registered anew, which makes DeepSpeed forget the module order it traced, so that the next forward and backward
+    would trace it again without prefetching. Does nothing below ZeRO-3.
 
-    DeepSpeed has no public API for this: it uses the private hook attributes of the engine's parameter coordinator
-    (fwd_pre_hook, forward_hooks, backward_hooks, _register_deepspeed_module, ds_active_sub_modules), checked with
-    DeepSpeed 0.19.8 (test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
+    DeepSpeed has no public API for this: it uses the hook handles of the engine's parameter coordinator
+    (forward_hooks, backward_hooks, fwd_pre_hook) and of the engine (module_forward_pre_hook,
+    module_forward_post_hook), the tables torch keeps hooks in (a handle's hooks_dict_ref and extra_dict_ref) and
+    ds_active_sub_modules, checked with DeepSpeed 0.19.8 and torch 2.13
+    (test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
     if not enabled or engine.zero_optimization_stage() != 3:
         yield
         return
     # The ZeRO-3 machinery that owns the hooks: the optimizer's, or the engine's own when it has no optimizer.
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-    # Small parameters (below stage3_param_persistence_threshold) are never partitioned: gather the others.
     partitioned = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     if partitioned:
         partitioned[0].all_gather_coalesced(partitioned).wait()
-    start_of_forward = offload.module._forward_pre_hooks[offload.fwd_pre_hook.id]
-    for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []
+    handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook, engine.module_forward_pre_hook,
+               engine.module_forward_post_hook]
+    tables = {id(table): table for handle in handles
+              for table in [handle.hooks_dict_ref(), *(ref() for ref in handle.extra_dict_ref)]}
+    saved = {key: dict(table) for key, table in tables.items()}  # each table as it is, in its order
+    for handle in handles:
+        handle.remove()
     for p in engine.module.parameters():
         p.ds_active_sub_modules.clear()
     try:
         yield
     finally:
-        offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_forward)
-        offload._register_deepspeed_module(offload.module)
+        for key, table in tables.items():
+            table.clear()
+            table.update(saved[key])
         if partitioned:  # back to this rank's shard; nothing was changed, so nothing is written back
             partitioned[0].partition(param_list=partitioned, has_been_updated=False)
 

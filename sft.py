@@ -344,13 +344,42 @@ def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v) for k, v in batch.items()}
 
 
+def one_openmp_thread_for_new_threads() -> None:
+    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
+    The collectives run on gloo's worker threads, and with torch's default each of them starts an OpenMP team of its
+    own at its first large tensor copy. The process then has more OpenMP threads than cores, libgomp puts idle threads
+    to sleep at once instead of spinning, and every operation of every model waits for its threads to wake up (the
+    bundled task under ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the calling
+    thread's count and the count that a thread takes at its first parallel operation, so it is called from a
+    short-lived thread of its own (checked with torch 2.13: test_new_threads_take_one_openmp_thread)."""
+    torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
+    setter = threading.Thread(target=torch.set_num_threads, args=(1,))
+    setter.start()
+    setter.join()
+
+
+def remove_shared_memory_file() -> None:
+    """DeepSpeed's shared-memory all-reduce for the CPU ranks of one node (for its inference engine; unused here) gives
+    each rank a 66 MB file in /dev/shm when the process group starts, and never removes it: every run would keep that
+    much memory per rank until the machine restarts. Once every rank has joined, each has mapped the others' files, so
+    each rank removes its own name, and the memory goes when the last rank exits (the name is the one DeepSpeed
+    0.19.8's shm.cpp gives it; a job across nodes or under torchrun makes none)."""
+    dist.barrier()  # every rank has mapped every rank's file
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+            f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
+    if os.path.exists(name):
+        os.remove(name)
+
+
 def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
-    # DeepSpeed-Chat's threshold: ZeRO-3 keeps parameters under 10k elements (norms, biases) whole on every rank.
+    # ZeRO-3 keeps no small parameter whole on every rank (DeepSpeed-Chat keeps those under 10k elements, norms and
+    # biases): each one kept whole costs an all-gather of its own after every optimizer step, while a partitioned one
+    # comes in the coalesced all-gather that prefetches its layer's weights.
     # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
     # whole process and every model in it, with a slower autograd function.
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 1e4, "memory_efficient_linear": False}
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False}
     if offload and trained:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload and stage == 3:
@@ -608,11 +637,15 @@ if __name__ == "__main__":
         fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
     get_accelerator().set_device(args.local_rank)
     device = torch.device(get_accelerator().device_name(args.local_rank))
+    if device.type == "cpu":
+        one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
     # process now and then ("terminate called without an active exception", exit code -6), a finished run too
     # (torch 2.13). Checked first, since tests run a script several times in one process.
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if device.type == "cpu":
+        remove_shared_memory_file()
     args.world_size = dist.get_world_size()
     is_main = dist.get_rank() == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -695,6 +728,10 @@ if __name__ == "__main__":
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     engine.train()  # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode
+    if args.zero_stage == 0 and args.world_size == 1:
+        # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
+        # it and copy them back after every backward pass (checked with DeepSpeed 0.19.8).
+        engine.enable_backward_allreduce = False
 
     # Logging: tensorboard always, wandb with --track, and the hyperparameters as a table.
     writer = None

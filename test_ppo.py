@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -723,10 +724,10 @@ args.gradient_accumulation_steps = 1
 ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
 
 
-def engine(trained):
+def engine(trained, stage=3):
     torch.manual_seed(0)
     return ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model",
-                           ppo.deepspeed_config(3, trained, False, args), args, 1e-2 if trained else None)
+                           ppo.deepspeed_config(stage, trained, False, args), args, 1e-2 if trained else None)
 
 
 def logits(model):
@@ -736,25 +737,27 @@ def logits(model):
 
 for trained in (False, True):
     model = engine(trained)
+    coordinator = getattr(model.optimizer, "parameter_offload", model.optimizer).get_param_coordinator()
     before = logits(model)
-    coordinator = getattr(model.optimizer, "parameter_offload", model.optimizer)
-    hooks = len(coordinator.forward_hooks)
+    assert torch.equal(logits(model), before)  # after two forward passes DeepSpeed has traced the module order
     partitioned = [p for p in model.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    assert partitioned and hooks
+    assert partitioned and coordinator.is_complete_trace()
     with ppo.gathered(model, True):
         assert all(p.ds_status == ZeroParamStatus.AVAILABLE and p.numel() == p.ds_numel
                    for p in model.module.parameters()), "not every weight is whole"
         inside = logits(model)
         assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in model.module.parameters()), "a hook released one"
     assert torch.equal(inside, before), "a forward pass on the gathered weights differs"
-    assert len(coordinator.forward_hooks) == hooks, "the hooks did not come back"
     assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in partitioned), "not back to the shards"
-    if trained:  # an optimizer step after a gathered rollout is the step without one
-        other = engine(True)
-        for m in (model, other):
+    assert coordinator.is_complete_trace(), "DeepSpeed forgot the module order it traced"
+    assert torch.equal(logits(model), before), "the hooks did not come back"  # the shards need them
+    if trained:  # an optimizer step after a gathered rollout is the step without one, and ZeRO-0's
+        others = [engine(True), engine(True, stage=0)]
+        for m in (model, *others):
             m.backward(m(input_ids=ids, labels=ids).loss)
             m.step()
-        assert torch.equal(logits(model), logits(other)), "the update after gathering differs"
+        assert torch.equal(logits(others[0]), logits(model)), "the update after gathering differs"
+        torch.testing.assert_close(logits(others[1]), logits(model), rtol=0, atol=1e-5)
     print(f"trained={trained}: ok")
 """
 
@@ -762,11 +765,26 @@ for trained in (False, True):
 def test_gathered_rollout_weights_are_whole_and_hooks_come_back(tmp_path):
     """ppo.gathered, which reaches into DeepSpeed's private ZeRO-3 hooks: inside it every weight of a frozen and of a
     trained ZeRO-3 engine is whole and stays whole through a forward pass (no hook partitions it again), with the
-    same outputs; after it the weights are back in their shards, the hooks are back, and an optimizer step gives
-    what it gives without the gathering. A DeepSpeed release that renames those attributes fails here."""
+    same outputs; after it the weights are back in their shards, the hooks are back and DeepSpeed still has the
+    module order it traced (it would trace it again, without prefetching, if the hooks were registered anew), and an
+    optimizer step gives what it gives without the gathering, and under ZeRO-0 (no parameter kept whole under ZeRO-3).
+    A DeepSpeed release that renames those attributes fails here."""
     script = tmp_path / "gathered.py"
     script.write_text(GATHERED_SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
                             env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-2:] == ["trained=False: ok", "trained=True: ok"], result.stdout[-2000:]
+
+
+def test_new_threads_take_one_openmp_thread():
+    """ppo.one_openmp_thread_for_new_threads, which relies on how torch gives each thread its OpenMP count: after it,
+    a thread started later (as gloo's, which run the collectives) works on one OpenMP thread, and the calling thread
+    keeps its count."""
+    counts = []
+    main_count = torch.get_num_threads()
+    ppo.one_openmp_thread_for_new_threads()
+    thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert counts == [1] and torch.get_num_threads() == main_count

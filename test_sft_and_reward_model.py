@@ -4,6 +4,7 @@ Each script runs in a subprocess, as a user would run it; the saved folders are 
 checked. The bad-input tests check that each mistake stops the script with a one-line message naming what to fix.
 """
 
+import glob
 import json
 import math
 import os
@@ -64,6 +65,9 @@ def run(script, *flags, ranks=None, check=True, launch=launcher):
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        if "--master_port" in command:  # the ranks removed DeepSpeed's shared-memory files (remove_shared_memory_file)
+            port = command[command.index("--master_port") + 1]
+            assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "a run left files in /dev/shm"
     return result
 
 
