@@ -10,7 +10,7 @@ fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statist
 schedule: less work than ppo.py's iteration. Responses are forced to full length: the benchmark's tokenizer
 puts EOS outside the models' vocabulary, so no model can sample it.
 
-    python benchmark.py                       # the default CPU shape (about 4.5 minutes on 2 cores)
+    python benchmark.py                       # the default CPU shape (about 6 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
 
@@ -90,10 +90,10 @@ class Args:
     """iterations run but not timed"""
     iterations: int = 10
     """iterations timed"""
-    repeats: int = 3
+    repeats: int = 5
     """rounds: in each, every configuration's ppo.py and the limit run once, alternating, each in a process of its
-    own; the table shows the median over the rounds (on a small shared CPU one process's timings drift by 5-15%
-    against another's)"""
+    own; the table shows the median over the rounds (on a small shared CPU one process's timings differ from
+    another's by up to 10%)"""
     two_rank_stages: list[int] = field(default_factory=lambda: [0, 2, 3])
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""
     output_json: str = "benchmark.json"
