@@ -716,19 +716,20 @@ def set_up_distributed(args: Args) -> torch.device:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     args.local_rank = int(os.environ["LOCAL_RANK"])
-    if args.dtype == "fp16" and get_accelerator().device_name() == "cpu":
+    on_cpu = get_accelerator().device_name() == "cpu"
+    if args.dtype == "fp16" and on_cpu:
         fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
-    if args.enable_hybrid_engine and get_accelerator().device_name() == "cpu":
+    if args.enable_hybrid_engine and on_cpu:
         fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     get_accelerator().set_device(args.local_rank)
-    if get_accelerator().device_name() == "cpu":
+    if on_cpu:
         one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
     # process now and then ("terminate called without an active exception", exit code -6), a finished run too
     # (torch 2.13). Checked first, since tests run a script several times in one process.
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-    if get_accelerator().device_name() == "cpu":
+    if on_cpu:
         remove_shared_memory_file()
     args.world_size = dist.get_world_size()
     return torch.device(get_accelerator().device_name(args.local_rank))
@@ -813,7 +814,6 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
         model = add_lora(model, lora_dim, args)
         if new_head and learning_rate is not None:
             model.score.requires_grad_(True)  # a fresh value head must learn, even with --only-optimize-lora
-    stage = ds_config["zero_optimization"]["stage"]
     if learning_rate is None:
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
@@ -835,7 +835,7 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     engine.train()  # dropout is off, so train and eval mode compute the same; train mode enables checkpointing
-    if stage == 0 and dist.get_world_size() == 1:
+    if engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
         # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
         # it and copy them back after every backward pass (checked with DeepSpeed 0.19.8).
         engine.enable_backward_allreduce = False
