@@ -1,0 +1,683 @@
+"""Plumbing: what every stage needs that is not the learning. A reader learning RLHF can skip this file.
+
+Flags, files, model folders, output folders and their lock, ranks, signals, and the state of a DeepSpeed engine on
+disk: plain functions that stop with one line saying what to fix, so that a mistake never ends in a stack trace from
+inside a library, and a run never destroys a user's files or outlives its launcher. The stages (sft.py,
+the three stages) and evaluate.py import it; it imports none of them, nor rlhf_math.py.
+"""
+
+import atexit
+import contextlib
+import difflib
+import functools
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, fields
+from typing import Annotated, get_type_hints
+
+import datasets
+import deepspeed
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch.utils.tensorboard import SummaryWriter
+from transformers import AutoConfig, AutoTokenizer
+
+
+# --- Stopping with one line that says what to fix. ---
+def script() -> str:
+    """The running script's file name (sft.py, ...): its messages' prefix and the owner of the folders it writes."""
+    return os.path.basename(sys.argv[0])
+
+def fail(message: str) -> None:
+    """Stop with a one-line message that says what to fix, instead of a stack trace from inside a library."""
+    raise SystemExit(f"{script()}: error: {message}")
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b, which must divide exactly: batch arithmetic is never silently rounded."""
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+# Ranges that check_ranges enforces, read from each Args field's annotation: "--total-episodes must be at least 1".
+PositiveInt = Annotated[int, "be at least 1"]
+CountInt = Annotated[int, "not be negative"]
+PositiveFloat = Annotated[float, "be positive"]
+NonNegativeFloat = Annotated[float, "not be negative"]
+Fraction = Annotated[float, "be between 0 and 1"]
+Seed = Annotated[int, "be between 0 and 2**32 - 1"]
+RANGES = {"be at least 1": lambda v: v >= 1, "be positive": lambda v: v > 0, "not be negative": lambda v: v >= 0,
+          "be between 0 and 1": lambda v: 0 <= v <= 1, "be between 0 and 2**32 - 1": lambda v: 0 <= v < 2**32}
+
+def check_ranges(args) -> None:
+    """Every flag within the range its annotation names (PositiveInt, Fraction, ...) and every float flag finite, or
+    a one-line error that names the flag. Called before anything is loaded."""
+    for name, hint in get_type_hints(type(args), include_extras=True).items():
+        value = getattr(args, name)
+        for rule in getattr(hint, "__metadata__", ()):
+            if value is not None and not RANGES[rule](value):
+                fail(f"--{name.replace('_', '-')} must {rule}, not {value}")
+    check_finite_args(args)
+
+def check_finite_args(args) -> None:
+    """Every float flag must be a number: inf or nan slip through `> 0` checks."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
+
+
+# --- Model folders, tokenizers and DeepSpeed engines. ---
+def is_hub_name(path: str) -> bool:
+    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
+    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
+    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
+    first = path.split("/")[0]
+    here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
+    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
+                or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
+
+def check_model_folder(path: str, hint: str) -> None:
+    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
+    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
+    if is_hub_name(path):
+        return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
+    if not os.path.isdir(path):
+        fail(f"no model folder at {path!r}; {hint}")
+    files = os.listdir(path)
+    if "config.json" not in files:
+        fail(f"{path!r} holds no model (no config.json); {hint}")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        fail(f"{path!r} has a damaged config.json ({error}); {hint}")
+    if not any(f.endswith(".safetensors") for f in files):
+        if any(f.endswith(".bin") for f in files):
+            fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
+                 "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
+        fail(f"{path!r} has no model weights (model.safetensors); {hint}")
+
+def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
+    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
+    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
+    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
+    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
+    checkpoint or left unused in it."""
+    try:
+        model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, safetensors.SafetensorError) as error:
+        fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
+    checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
+    missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
+    unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
+    if missing or unexpected:
+        fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
+             f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
+    return model
+
+def check_finite_weights(model, name: str) -> None:
+    """Stop before training if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling
+    or as a NaN loss. Under ZeRO-3 each parameter is gathered in turn (every rank takes part)."""
+    bad = []
+    for param_name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters(param):  # does nothing to a parameter that is not partitioned
+            if not torch.isfinite(param).all():
+                bad.append(param_name)
+    if bad:
+        fail(f"the {name} has weights that are not finite (inf or nan) in {len(bad)} tensors ({', '.join(bad[:3])}); "
+             "its checkpoint is damaged: train it again")
+
+def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
+    """AutoTokenizer.from_pretrained, or a one-line error that says what to fix."""
+    if not is_hub_name(path) and not os.path.isdir(path):
+        fail(f"no tokenizer folder at {path!r}; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
+
+def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool):
+    """The tokenizer (load_tokenizer) with an EOS and a pad token distinct from it, which is added if missing:
+    padding equal to EOS would mask the real EOS like padding (DeepSpeed-Chat's trap). Returns (tokenizer, whether
+    the pad token was added: the model's embeddings must then grow by one)."""
+    tokenizer = load_tokenizer(path, hint, trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        fail(f"the tokenizer of {path!r} has no EOS token; set one, or pick another with --tokenizer-name-or-path")
+    added_pad_token = tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id
+    if added_pad_token:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+        if is_main:
+            print(f"the tokenizer had no pad token distinct from EOS: added '<|pad|>' (id {tokenizer.pad_token_id})")
+    return tokenizer, added_pad_token
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+def model_config(path: str, disable_dropout: bool, trust_remote_code: bool, **kwargs):
+    """A model folder's config (AutoConfig), with every dropout probability set to 0 if disable_dropout."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    if disable_dropout:
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+    return config
+
+def adamw(params, lr: float, weight_decay: float, offload: bool):
+    """AdamW: torch's fused one, which updates every weight in one kernel (the for-loop default launches several per
+    weight), or with --offload DeepSpeed's vectorised CPU Adam, since the step then runs on the CPU."""
+    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else functools.partial(
+        torch.optim.AdamW, fused=get_accelerator().device_name() in ("cpu", "cuda"))
+    return adam(params, lr=lr, weight_decay=weight_decay)
+
+def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
+    """deepspeed.initialize: a trained engine (with its optimizer and scheduler) in train mode, or a frozen one
+    (without, and without gradients) in eval mode."""
+    if optimizer is None:
+        model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    if optimizer is None:
+        return engine.eval()
+    engine.train()  # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode
+    if engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
+        # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
+        # it and copy them back after every backward pass (checked with DeepSpeed 0.19.8).
+        engine.enable_backward_allreduce = False
+    return engine
+
+
+# --- Data files: one split, checked for its columns and its cells; prompts as token ids. ---
+def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
+               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
+    """One split of a hub data set (config: its configuration name, if it has several) or of a local file or folder,
+    checked for the columns we need; a one-line error that names the flag to fix otherwise."""
+    kinds = f"{', '.join(extensions[:-1])} or {extensions[-1]}"
+    if not os.path.exists(dataset) and not is_hub_name(dataset):
+        fail(f"no data set at {dataset!r}; check {flag}")
+    if os.path.isfile(dataset) and not dataset.endswith(extensions):
+        fail(f"{flag} {dataset!r} is not a {kinds} file")
+    if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
+        fail(f"{flag} {dataset!r} is an empty file")
+    try:
+        if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
+            kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
+            data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
+        else:
+            data = datasets.load_dataset(dataset, config, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        error = error.__cause__ or error  # the generation error's cause says which row is malformed
+        if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
+            with open(dataset, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except ValueError as bad:
+                        fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
+        fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
+             f"{flag} (a UTF-8 {kinds} file) and the split flags")
+    missing = [c for c in columns if c not in data.column_names]
+    if missing:
+        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
+        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}"
+             + ("; if 'chosen' and 'rejected' each hold the whole conversation (the hh-rlhf layout), pass "
+                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else ""))
+    try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
+        data.select_columns(columns).data.validate(full=True)
+    except ValueError as error:
+        fail(f"data set {dataset!r} split {split!r} is not UTF-8 text ({error}); save it as UTF-8")
+    return data
+
+def text_of(row: dict, i: int, column: str, split: str) -> str:
+    """The text in one cell of the data, or an error that names the row, the column and what is wrong with it."""
+    value = row[column]
+    problem = ("empty (null)" if value is None else f"a value of type {type(value).__name__}, not text"
+               if not isinstance(value, str) else "empty text" if not value.strip() else None)
+    if problem:
+        fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
+    return value
+
+def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[str, str]:
+    """A whole conversation (the hh-rlhf layout, "\n\nHuman: ...\n\nAssistant: ...") -> (prompt, response): the
+    prompt up to and including its last assistant marker, the response after it."""
+    cut = text.rfind(assistant_marker)
+    if cut < 0:
+        fail(f"{where}: no {assistant_marker!r} to split the conversation at; check --assistant-marker")
+    prompt, response = text[: cut + len(assistant_marker)], text[cut + len(assistant_marker) :]
+    if not response.strip():
+        fail(f"{where}: nothing after the last {assistant_marker!r}; fix or remove the row")
+    return prompt, response
+
+def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
+    """The token ids of one row's prompt. Text is tokenized as it is (split_special_tokens: text that spells a special
+    token, "<|endoftext|>", stays text, never a real EOS); with assistant_marker the text is a whole conversation
+    whose prompt ends at its last marker (split_conversation). A list of {"role", "content"} messages goes through
+    the tokenizer's chat template, up to the opening of the assistant's turn."""
+    value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
+    if not isinstance(value, list):
+        text = text_of(row, i, column, split)
+        if assistant_marker is not None:
+            text = split_conversation(text, assistant_marker, where)[0]
+        return tokenizer(text, split_special_tokens=True)["input_ids"]
+    if tokenizer.chat_template is None:
+        fail(f"{where} holds chat messages, but the tokenizer has no chat template; use a tokenizer that has one (an "
+             "instruct or chat model's) or give the prompts as text")
+    if not value or not all(isinstance(message, dict) and isinstance(message.get("role"), str)
+                            and isinstance(message.get("content"), str) for message in value):
+        fail(f"{where}: not a list of {{'role': ..., 'content': ...}} messages with text content; fix or remove the row")
+    # The template's text is tokenized with its markers as real tokens: a message that spells one would fake a turn.
+    spelled = [token for token in tokenizer.get_added_vocab() if any(token in m["content"] for m in value)]
+    if spelled:
+        fail(f"{where}: a message spells the token {spelled[0]!r}, which the chat template would read as the real "
+             "one; fix or remove the row")
+    text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+def refuse_repeated_prompt(prompt, responses: dict[str, str], i: int, split: str) -> None:
+    """Responses that each begin with their prompt's text are the hh-rlhf layout read as if it were not: the prompt
+    would be there twice. responses: column -> text."""
+    if isinstance(prompt, str) and all(response.startswith(prompt) for response in responses.values()):
+        fail(f"row {i} of split {split!r}: {' and '.join(map(repr, responses))} begin with the prompt (the hh-rlhf "
+             "layout); pass --split-conversations to cut the prompt from each whole conversation")
+
+def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool,
+                 assistant_marker: str | None = None) -> list:
+    """The token ids (prompt_ids) of every prompt of a split that fits max_prompt_len: a longer prompt is dropped,
+    never truncated, and the dropped ones are counted (on rank 0)."""
+    data = load_split(dataset, split, [column])
+    prompts, too_long = [], 0
+    for i, row in enumerate(data):
+        ids = prompt_ids(tokenizer, row, i, column, split, assistant_marker)
+        if len(ids) > max_prompt_len:
+            too_long += 1
+        else:
+            prompts.append(ids)
+    if too_long and is_main:
+        print(f"dropped {too_long} of {len(data)} prompts longer than --max-prompt-len {max_prompt_len}")
+    if not prompts:
+        fail(f"no prompt of split {split!r} fits --max-prompt-len {max_prompt_len}; raise it")
+    return prompts
+
+
+# --- Processes and ranks: the process group, the launcher watch, signals, and rank 0's work. ---
+def init_distributed(dtype: str) -> torch.device:
+    """Join the ranks' process group and return this rank's device; stop within seconds if the launcher dies, and
+    with one line on Ctrl-C or SIGTERM. deepspeed and torchrun set RANK, LOCAL_RANK and WORLD_SIZE; a plain `python`
+    run is one rank."""
+    watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    on_cpu = get_accelerator().device_name() == "cpu"
+    if dtype == "fp16" and on_cpu:
+        fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    get_accelerator().set_device(local_rank)
+    if on_cpu:
+        one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
+    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
+    # (torch 2.13). Checked first, since tests run a script several times in one process.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if on_cpu:
+        remove_shared_memory_file()
+    stop_on_signals()
+    return torch.device(get_accelerator().device_name(local_rank))
+
+def one_openmp_thread_for_new_threads() -> None:
+    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
+    The collectives run on gloo's worker threads, and with torch's default each of them starts an OpenMP team of its
+    own at its first large tensor copy. The process then has more OpenMP threads than cores, libgomp puts idle threads
+    to sleep at once instead of spinning, and every operation of every model waits for its threads to wake up (the
+    bundled task under ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the calling
+    thread's count and the count that a thread takes at its first parallel operation, so it is called from a
+    short-lived thread of its own (checked with torch 2.13: test_new_threads_take_one_openmp_thread)."""
+    torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
+    setter = threading.Thread(target=torch.set_num_threads, args=(1,))
+    setter.start()
+    setter.join()
+
+def remove_shared_memory_file() -> None:
+    """DeepSpeed's shared-memory all-reduce for the CPU ranks of one node (for its inference engine; unused here) gives
+    each rank a 66 MB file in /dev/shm when the process group starts, and never removes it: every run would keep that
+    much memory per rank until the machine restarts. Once every rank has joined, each has mapped the others' files, so
+    each rank removes its own name, and the memory goes when the last rank exits (the name is the one DeepSpeed
+    0.19.8's shm.cpp gives it; a job across nodes or under torchrun makes none)."""
+    dist.barrier()  # every rank has mapped every rank's file
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+            f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
+    if os.path.exists(name):
+        os.remove(name)
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return pid > 0
+
+def on_rank_0(function):
+    """function() on rank 0 only, its result sent to every rank; if it stops with a message, every rank stops with
+    that message (instead of waiting for rank 0 forever)."""
+    result = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            result = [function(), None]
+        except SystemExit as stop:
+            result = [None, str(stop)]
+    dist.broadcast_object_list(result, src=0)
+    if result[1] is not None:
+        raise SystemExit(result[1])
+    return result[0]
+
+def stop_on_signals() -> None:
+    """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
+    def stop(signum, frame):
+        raise SystemExit(f"{script()}: error: stopped by {signal.Signals(signum).name}")
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+def watch_launcher() -> None:
+    """Exit within a second or two when the launcher that started this rank dies: a killed `deepspeed` or `torchrun`
+    does not take its ranks along, and an orphaned rank would go on training and writing checkpoints. The launcher
+    is every ancestor process that runs this same Python (deepspeed's runner and launch.py, torchrun; for a plain
+    `python` run from a shell, none); a thread checks each second that each is still there (Linux /proc)."""
+    def parent_and_start(pid):  # None once the process is gone, or dead and waiting to be reaped (a zombie)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+        except (OSError, IndexError):
+            return None
+    watched, pid = [], os.getppid()
+    while pid > 1 and (process := parent_and_start(pid)) and \
+            os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
+        watched.append((pid, process[1]))
+        pid = process[0]
+    def watch():
+        while all((parent_and_start(pid) or (None, None))[1] == start for pid, start in watched):
+            time.sleep(1)
+        print(f"{script()}: error: rank {os.environ.get('RANK')}: the launcher that started this "
+              "rank is gone; stopping", file=sys.stderr, flush=True)
+        os._exit(1)
+    if watched:
+        threading.Thread(target=watch, daemon=True).start()
+
+
+# --- Output folders: claimed and locked before anything loads, written whole or not at all (detail 40). ---
+RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
+
+def read_record(folder: str) -> dict | None:
+    """The training_run.json of a folder, or None if it has none that reads."""
+    try:
+        with open(os.path.join(folder, RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+def write_json(path: str, value) -> None:
+    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+def fsync_tree(path: str) -> None:
+    """Flush a folder's files and the folder entries themselves to disk, so that a rename after this names complete
+    files even after a power cut."""
+    for root, _, files in os.walk(path):
+        for name in files + ["."]:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message. It must not be, nor hold, an input
+    (--output-dir . holds the data); a non-empty folder must hold an earlier output of this script (its
+    training_run.json says so) unless --overwrite; it must be writable. OUTPUT_DIR/.lock, holding host and pid, keeps
+    a second run out while this one lives; it is removed at exit, and one left by a killed run is taken over."""
+    script_name = script()
+    real = os.path.realpath(output_dir)
+    for flag, path in inputs.items():
+        if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
+            fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
+    ours = (read_record(output_dir) or {}).get("script") == script_name
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        if not ours:
+            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script_name}; name a new or "
+                 "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
+                 "else is deleted)")
+    lock, me = os.path.join(output_dir, ".lock"), f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(lock, "x") as f:
+                f.write(me)
+            break
+        except FileExistsError:
+            host, pid = (open(lock).read().split() + ["?", "0"])[:2]
+            if host != socket.gethostname() or pid_alive(int(pid) if pid.isdigit() else 0):
+                fail(f"--output-dir {output_dir!r} is in use by another run (pid {pid} on {host}); wait for it to end "
+                     f"or stop it (if it is gone, delete {lock})")
+            os.remove(lock)  # left by a run that was killed
+        except OSError as error:
+            fail(f"cannot write to --output-dir {output_dir!r} ({error.strerror}); name a folder you can write")
+    def release_lock():
+        with contextlib.suppress(OSError), open(lock) as f:
+            if f.read() == me:
+                os.remove(lock)
+    atexit.register(release_lock)
+    if not ours:
+        write_json(os.path.join(output_dir, RECORD), {"script": script_name, "finished": False})
+
+def make_run_dir(run_name: str) -> str:
+    """runs/RUN_NAME, for the tensorboard logs (and ppo.py's metrics.jsonl), made before anything loads."""
+    path = os.path.join("runs", run_name)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"cannot write the run's logs to {path} ({error.strerror}); run from a folder you can write")
+    return path
+
+def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
+    """The model as an ordinary Hugging Face folder: safetensors (state_dict, or the model's own), tokenizer and
+    training_run.json. Written in OUTPUT_DIR/.saving, flushed to disk, then moved into place file by file, so that a
+    run killed while saving leaves the earlier model whole; weight files of an earlier save that this one does not
+    write are removed, so that from_pretrained cannot mix them in. Under ZeRO-3 the caller gathers the weights."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        staging = os.path.join(output_dir, ".saving")
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        write_json(os.path.join(staging, RECORD), record)
+        fsync_tree(staging)
+        saved = os.listdir(staging)
+        for name in os.listdir(output_dir):
+            if name.startswith("model") and ".safetensors" in name and name not in saved:
+                os.remove(os.path.join(output_dir, name))
+        for name in sorted(saved, key=lambda name: name == RECORD):  # the record last: it says the folder is complete
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        os.rmdir(staging)
+        fsync_tree(output_dir)
+    except OSError as error:  # a full disk, a folder made read-only meanwhile
+        fail(f"cannot save the model to {output_dir!r} ({error}); its new files are in {output_dir}/.saving, if any")
+
+def start_tensorboard(run_name: str, args, purge_step: int | None = None) -> SummaryWriter:
+    """Rank 0's tensorboard writer in runs/RUN_NAME, with the hyperparameters (the Args dataclass) as a table; with
+    --track (args.track) wandb mirrors it into args.wandb_project_name. purge_step: a resumed run drops the events
+    its killed predecessor logged from that step on."""
+    if args.track:
+        import wandb
+        wandb.init(project=args.wandb_project_name, name=run_name, config=asdict(args), sync_tensorboard=True)
+    writer = SummaryWriter(os.path.join("runs", run_name), purge_step=purge_step)
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    return writer
+
+
+# --- A DeepSpeed engine's state on disk, for --resume: weights, Adam's moments and step, the scheduler, in ---
+# --- safetensors (nothing that a load would unpickle); checkpoints renamed into place once complete. ---
+def save_weights(engine, path: str, is_main: bool) -> None:
+    """Every parameter of a frozen engine under the engine's own names (LoRA adapters unmerged), gathered
+    whole under ZeRO-3 (every rank takes part; rank 0 writes), in path/model.safetensors: for --resume."""
+    weights = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
+            if is_main:
+                weights[name] = param.detach().cpu().clone()
+    if is_main:
+        os.makedirs(path, exist_ok=True)
+        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
+
+def load_weights(engine, weights: dict[str, torch.Tensor]) -> None:
+    """The inverse of save_weights: every parameter set from `weights` (a loaded model.safetensors, by the engine's own
+    names), under ZeRO-3 into every rank's partition (modifier_rank)."""
+    for name, param in engine.module.named_parameters():
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(
+                param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
+            param.data.copy_(weights[name])
+
+def torch_optimizer(engine):
+    """The torch optimizer inside an engine, whose state holds Adam's step count. Under ZeRO or bf16 DeepSpeed wraps it
+    and keeps it in the wrapper's `optimizer` attribute, for which it has no public accessor; under ZeRO-0 in fp32 the
+    engine's optimizer is the torch one. Checked with DeepSpeed 0.19.8 (test_killed_run_resumes_to_the_same_metrics,
+    every ZeRO stage)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+def save_training_state(engine, path: str, is_main: bool) -> dict:
+    """What --resume needs of a trained model, in safetensors (nothing that a load would unpickle): the fp32 master
+    weights in model.safetensors and Adam's moments in adam.safetensors, under the engine's own parameter names (LoRA
+    adapters unmerged). Each tensor is whole, gathered from the ranks' partitions under ZeRO (every rank takes part;
+    rank 0 writes). Returns the optimizer's step count and the scheduler's state, for state.json."""
+    # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
+    # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
+    base_optimizer = torch_optimizer(engine)
+    plain = engine.optimizer is base_optimizer
+    weights, moments = {}, {}
+    for name, param in engine.module.named_parameters():
+        if plain:
+            master, state = param.detach(), engine.optimizer.state[param]
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        else:
+            master = deepspeed.utils.safe_get_full_fp32_param(param)
+            exp_avg = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg")
+            exp_avg_sq = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg_sq")
+        if is_main:
+            weights[name] = master.cpu().contiguous()
+            moments[f"{name}.exp_avg"] = exp_avg.cpu().contiguous()
+            moments[f"{name}.exp_avg_sq"] = exp_avg_sq.cpu().contiguous()
+    if is_main:
+        os.makedirs(path, exist_ok=True)
+        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
+        safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
+    adam_step = int(next(iter(base_optimizer.state.values()))["step"])
+    return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict()}
+
+def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
+    """Restore the weights, Adam's moments, step count and learning rate that save_training_state wrote, into an
+    engine built from the model the run started from: the model's own weights (in its dtype) and, under bf16 or
+    ZeRO, the fp32 master copy that the optimizer updates."""
+    # DeepSpeed creates Adam's moments lazily, at the first optimizer step. One step with learning rate 0 and zero
+    # gradients creates them without moving any weight; everything is overwritten below.
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    for _ in range(engine.gradient_accumulation_steps()):
+        engine.backward(engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits.sum() * 0.0)
+        engine.step()
+    weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+    load_weights(engine, weights)
+    moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
+    base_optimizer = torch_optimizer(engine)
+    plain = engine.optimizer is base_optimizer  # ZeRO-0 in fp32, as in save_training_state
+    for name, param in engine.module.named_parameters():
+        if plain:
+            state = engine.optimizer.state[param]
+            state["exp_avg"].copy_(moments[f"{name}.exp_avg"])
+            state["exp_avg_sq"].copy_(moments[f"{name}.exp_avg_sq"])
+        else:
+            deepspeed.utils.safe_set_full_fp32_param(param, weights[name].to(device))
+            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg"].to(device), "exp_avg")
+            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg_sq"].to(device), "exp_avg_sq")
+    for state in base_optimizer.state.values():
+        state["step"] = torch.full_like(state["step"], saved["adam_step"]) if torch.is_tensor(state["step"]) \
+            else saved["adam_step"]
+    engine.lr_scheduler.load_state_dict(saved["scheduler"])
+    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+
+def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
+    """Why FOLDER cannot restore ENGINE, or None: its model.safetensors (and for a trained engine adam.safetensors)
+    must be whole safetensors files that hold a tensor for every parameter (and Adam's two moments of each)."""
+    names = {name for name, _ in engine.module.named_parameters()}
+    files = {"model.safetensors": names}
+    if trained:
+        files["adam.safetensors"] = {f"{name}.{moment}" for name in names for moment in ("exp_avg", "exp_avg_sq")}
+    for file, expected in files.items():
+        try:
+            with safetensors.safe_open(os.path.join(folder, file), "pt") as f:
+                if set(f.keys()) != expected:
+                    return f"{os.path.basename(folder)}/{file} does not hold this model's parameters"
+        except (OSError, safetensors.SafetensorError) as error:
+            return f"{os.path.basename(folder)}/{file}: {' '.join(str(error).split())[:200]}"
+    return None
+
+def complete_checkpoints(checkpoint_dir: str) -> list[str]:
+    """The complete checkpoints of OUTPUT_DIR/resume, newest first: the one `latest` names, then the others (a folder
+    is complete once renamed from its .tmp)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    names = sorted((name for name in os.listdir(checkpoint_dir) if re.fullmatch(r"iteration_\d+", name)),
+                   key=lambda name: int(name.removeprefix("iteration_")), reverse=True)
+    with contextlib.suppress(OSError), open(os.path.join(checkpoint_dir, "latest")) as f:
+        latest = f.read().strip()
+        if latest in names:
+            names.insert(0, names.pop(names.index(latest)))
+    return [os.path.join(checkpoint_dir, name) for name in names]
+
+def commit_checkpoint(path: str) -> None:
+    """Rank 0: the checkpoint written in PATH.tmp is flushed to disk, renamed to PATH once complete, and only then
+    named in `latest` beside it. The one before it is kept, for a latest that cannot be read; older ones go."""
+    checkpoint_dir = os.path.dirname(path)
+    fsync_tree(path + ".tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
+        f.write(os.path.basename(path))
+    fsync_tree(checkpoint_dir)
+    os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
+    fsync_tree(checkpoint_dir)
+    keep = [os.path.basename(c) for c in complete_checkpoints(checkpoint_dir)[:2]]
+    for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
+        if old.startswith("iteration_") and old not in keep:
+            shutil.rmtree(os.path.join(checkpoint_dir, old))
+
+def continue_metrics_file(path: str, iteration: int) -> None:
+    """On --resume, the run's metrics.jsonl keeps the lines of the iterations up to the checkpoint's and loses those
+    after it (logged by the killed run, they are logged again), and any line cut short by the kill."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                if json.loads(line)["iteration"] <= iteration:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
