@@ -2,8 +2,8 @@
 
 Flags, files, model folders, output folders and their lock, ranks, signals, and the state of a DeepSpeed engine on
 disk: plain functions that stop with one line saying what to fix, so that a mistake never ends in a stack trace from
-inside a library, and a run never destroys a user's files or outlives its launcher. The stages (sft.py,
-the three stages) and evaluate.py import it; it imports none of them, nor rlhf_math.py.
+inside a library, and a run never destroys a user's files or outlives its launcher. The three stages and
+evaluate.py import it; it imports none of them, nor rlhf_math.py.
 """
 
 import atexit
