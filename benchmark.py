@@ -373,8 +373,8 @@ def profile_ppo(args: Args, folder: str) -> dict:
         else "actor backward",
         (DeepSpeedEngine, "step"): always("optimizer steps"),
         **{(ppo, name): always("checks, statistics and logging") for name in [
-            "check_finite_rollout", "check_first_ratio", "check_finite_losses", "new_update_sums", "add_update_sums",
-            "iteration_metrics", "log_iteration"]},
+            "check_finite_rollout", "check_update", "new_update_sums", "add_update_sums", "iteration_metrics",
+            "log_iteration"]},
     }
 
     def timed(function, name_of):

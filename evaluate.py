@@ -15,29 +15,27 @@ policy along training: where the proxy keeps rising and the truth stops, PPO is 
     python evaluate.py                 # after sft.py, reward_model.py and ppo.py on the bundled toy task
 """
 
-import difflib
 import glob
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
-import datasets
-import safetensors
 import torch
 import tyro
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+import plumbing
 import rlhf_math
+from plumbing import CountInt, PositiveFloat, PositiveInt, Seed
 from ppo import response_logprobs, reward_model_inputs, reward_scores, sampling_config
 from toy_task.gold_judge import gold_score
 
 
 @dataclass
 class Args:
-    seed: int = 1
+    seed: Seed = 1
     """seed of the sampling"""
     sft_model: str = "checkpoints/sft"
     """the SFT policy (stage 1), the baseline"""
@@ -50,29 +48,28 @@ class Args:
     snapshots_dir: str | None = None
     """the actor snapshots of `ppo.py --snapshot-every N`, for the over-optimisation picture; PPO_MODEL/../snapshots
     when not set (skipped if there is none)"""
-    snapshot_prompts: int = 200
+    snapshot_prompts: PositiveInt = 200
     """held-out prompts answered by each snapshot"""
     dataset: str = "toy_task/data"
-    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder; only prompts are used"""
+    """the prompts' data set, as ppo.py's --dataset: a hub name, or a local .json/.jsonl/.parquet file or folder"""
     split: str = "test"
     """the held-out split whose prompts are answered"""
     prompt_column: str = "prompt"
-    """the column that holds the prompt: text, or a list of {"role", "content"} chat messages (the
-    tokenizer's chat template makes it a prompt)"""
+    """the column of the prompts, as in ppo.py: text, or a list of {"role", "content"} chat messages"""
     split_conversations: bool = False
-    """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation, and the prompt is its text up to and including the
-    last --assistant-marker"""
+    """the hh-rlhf layout, as in ppo.py: each cell of --prompt-column (pass --prompt-column chosen) is a whole
+    conversation, whose prompt ends at its last --assistant-marker"""
     assistant_marker: str = "\n\nAssistant:"
-    """where the last assistant turn opens in a whole conversation (--split-conversations)"""
-    max_prompt_len: int = 32
+    """the opening of the last assistant turn in a whole conversation (--split-conversations), as in ppo.py"""
+    max_prompt_len: PositiveInt = 32
     """longest prompt in tokens; longer prompts are left out (and counted), as in ppo.py"""
-    max_new_tokens: int = 24
+    max_new_tokens: PositiveInt = 24
     """longest response, as in ppo.py"""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """sampling temperature, as in ppo.py"""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """prompts per generation batch"""
-    num_samples: int = 5
+    num_samples: CountInt = 5
     """side-by-side samples to print"""
     metrics_file: str | None = None
     """the metrics.jsonl to plot; the one of the run that trained --ppo-model (named in its training_run.json) when
@@ -84,236 +81,11 @@ class Args:
     """allow models and tokenizers whose code comes with their hub repository"""
 
 
-def fail(message: str) -> None:
-    """Stop with a one-line message that says what to fix."""
-    raise SystemExit(f"evaluate.py: error: {message}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Inputs: the same checks as the training stages, so that a wrong flag or damaged file stops with one line that says
-# what to fix. Copied from sft.py on purpose (each stage reads on its own); check_finite_weights is the plain version,
-# without deepspeed.
-# ---------------------------------------------------------------------------------------------------------------
-def is_hub_name(path: str) -> bool:
-    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
-    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
-    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
-    first = path.split("/")[0]
-    here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
-    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
-                or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
-
-
-def check_model_folder(path: str, hint: str) -> None:
-    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
-    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
-    if is_hub_name(path):
-        return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
-    if not os.path.isdir(path):
-        fail(f"no model folder at {path!r}; {hint}")
-    files = os.listdir(path)
-    if "config.json" not in files:
-        fail(f"{path!r} holds no model (no config.json); {hint}")
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            json.load(f)
-    except (OSError, ValueError) as error:
-        fail(f"{path!r} has a damaged config.json ({error}); {hint}")
-    if not any(f.endswith(".safetensors") for f in files):
-        if any(f.endswith(".bin") for f in files):
-            fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
-                 "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
-        fail(f"{path!r} has no model weights (model.safetensors); {hint}")
-
-
-def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
-    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
-    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
-    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
-    checkpoint or left unused in it."""
-    try:
-        model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
-    except (OSError, ValueError, safetensors.SafetensorError) as error:
-        fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
-    checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
-    missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
-    unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
-    if missing or unexpected:
-        fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
-             f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
-    return model
-
-
-def check_finite_weights(model, name: str) -> None:
-    """Stop if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling."""
-    bad = [param_name for param_name, param in model.named_parameters() if not torch.isfinite(param).all()]
-    if bad:
-        fail(f"the {name} has weights that are not finite (inf or nan) in {len(bad)} tensors ({', '.join(bad[:3])}); "
-             "its checkpoint is damaged: train it again")
-
-
-def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
-    """AutoTokenizer.from_pretrained, or a one-line error that says what to fix."""
-    if not is_hub_name(path) and not os.path.isdir(path):
-        fail(f"no tokenizer folder at {path!r}; {hint}")
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
-
-
-def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
-               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
-    """One split of a hub data set (config: its configuration name, if it has several) or of a local file or folder,
-    checked for the columns we need; a one-line error that names the flag to fix otherwise."""
-    kinds = f"{', '.join(extensions[:-1])} or {extensions[-1]}"
-    if not os.path.exists(dataset) and not is_hub_name(dataset):
-        fail(f"no data set at {dataset!r}; check {flag}")
-    if os.path.isfile(dataset) and not dataset.endswith(extensions):
-        fail(f"{flag} {dataset!r} is not a {kinds} file")
-    if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
-        fail(f"{flag} {dataset!r} is an empty file")
-    try:
-        if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
-            kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
-            data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
-        else:
-            data = datasets.load_dataset(dataset, config, split=split)
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
-        error = error.__cause__ or error  # the generation error's cause says which row is malformed
-        if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
-            with open(dataset, encoding="utf-8", errors="replace") as f:
-                for number, line in enumerate(f, 1):
-                    try:
-                        json.loads(line) if line.strip() else None
-                    except ValueError as bad:
-                        fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
-        fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
-             f"{flag} (a UTF-8 {kinds} file) and the split flags")
-    missing = [c for c in columns if c not in data.column_names]
-    if missing:
-        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
-        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}"
-             + ("; if 'chosen' and 'rejected' each hold the whole conversation (the hh-rlhf layout), pass "
-                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else ""))
-    try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
-        data.select_columns(columns).data.validate(full=True)
-    except ValueError as error:
-        fail(f"data set {dataset!r} split {split!r} is not UTF-8 text ({error}); save it as UTF-8")
-    return data
-
-
-def text_of(row: dict, i: int, column: str, split: str) -> str:
-    """The text in one cell of the data, or an error that names the row, the column and what is wrong with it."""
-    value = row[column]
-    problem = ("empty (null)" if value is None else f"a value of type {type(value).__name__}, not text"
-               if not isinstance(value, str) else "empty text" if not value.strip() else None)
-    if problem:
-        fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
-    return value
-
-
-def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[str, str]:
-    """A whole conversation (the hh-rlhf layout, "\n\nHuman: ...\n\nAssistant: ...") -> (prompt, response): the
-    prompt up to and including its last assistant marker, the response after it."""
-    cut = text.rfind(assistant_marker)
-    if cut < 0:
-        fail(f"{where}: no {assistant_marker!r} to split the conversation at; check --assistant-marker")
-    prompt, response = text[: cut + len(assistant_marker)], text[cut + len(assistant_marker) :]
-    if not response.strip():
-        fail(f"{where}: nothing after the last {assistant_marker!r}; fix or remove the row")
-    return prompt, response
-
-
-def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
-    """The token ids of one row's prompt. Text is tokenized as it is (split_special_tokens: text that spells a special
-    token, "<|endoftext|>", stays text, never a real EOS); with assistant_marker the text is a whole conversation
-    whose prompt ends at its last marker (split_conversation). A list of {"role", "content"} messages goes through
-    the tokenizer's chat template, up to the opening of the assistant's turn."""
-    value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
-    if not isinstance(value, list):
-        text = text_of(row, i, column, split)
-        if assistant_marker is not None:
-            text = split_conversation(text, assistant_marker, where)[0]
-        return tokenizer(text, split_special_tokens=True)["input_ids"]
-    if tokenizer.chat_template is None:
-        fail(f"{where} holds chat messages, but the tokenizer has no chat template; use a tokenizer that has one (an "
-             "instruct or chat model's) or give the prompts as text")
-    if not value or not all(isinstance(message, dict) and isinstance(message.get("role"), str)
-                            and isinstance(message.get("content"), str) for message in value):
-        fail(f"{where}: not a list of {{'role': ..., 'content': ...}} messages with text content; fix or remove the row")
-    # The template's text is tokenized with its markers as real tokens: a message that spells one would fake a turn.
-    spelled = [token for token in tokenizer.get_added_vocab() if any(token in m["content"] for m in value)]
-    if spelled:
-        fail(f"{where}: a message spells the token {spelled[0]!r}, which the chat template would read as the real "
-             "one; fix or remove the row")
-    text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool,
-                 assistant_marker: str | None = None) -> list:
-    """The token ids (prompt_ids) of every prompt of a split that fits max_prompt_len: a longer prompt is dropped,
-    never truncated, and the dropped ones are counted (on rank 0)."""
-    data = load_split(dataset, split, [column])
-    prompts, too_long = [], 0
-    for i, row in enumerate(data):
-        ids = prompt_ids(tokenizer, row, i, column, split, assistant_marker)
-        if len(ids) > max_prompt_len:
-            too_long += 1
-        else:
-            prompts.append(ids)
-    if too_long and is_main:
-        print(f"dropped {too_long} of {len(data)} prompts longer than --max-prompt-len {max_prompt_len}")
-    if not prompts:
-        fail(f"no prompt of split {split!r} fits --max-prompt-len {max_prompt_len}; raise it")
-    return prompts
-
-
-RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
-
-
-def read_record(folder: str) -> dict | None:
-    """The training_run.json of a folder, or None if it has none that reads."""
-    try:
-        with open(os.path.join(folder, RECORD)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def write_json(path: str, value) -> None:
-    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def check_finite_args(args) -> None:
-    """Every float flag must be a number: inf or nan slip through `> 0` checks."""
-    for field in fields(args):
-        value = getattr(args, field.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
-
-
-
 def check_args(args: Args) -> None:
-    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
-    check_finite_args(args)
-    for name in ("batch_size", "max_new_tokens", "max_prompt_len", "snapshot_prompts"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.num_samples < 0:
-        fail(f"--num-samples must not be negative, not {args.num_samples}")
-    if not args.temperature > 0:
-        fail(f"--temperature must be positive, not {args.temperature}")
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
+    """Bad flags stop the script here, with a message that names them, before anything is loaded: every float flag
+    finite (first, so that nan is named as such), every flag in the range its annotation names."""
+    plumbing.check_finite_args(args)
+    plumbing.check_ranges(args)
 
 
 def check_output_dir(args: Args) -> None:
@@ -324,8 +96,8 @@ def check_output_dir(args: Args) -> None:
     for name in ("sft_model", "ppo_model", "reward_model", "dataset"):
         path = getattr(args, name)
         if os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
-            fail(f"--output-dir {args.output_dir!r} is or holds --{name.replace('_', '-')} {path!r}, which this run "
-                 "reads; name another folder")
+            plumbing.fail(f"--output-dir {args.output_dir!r} is or holds --{name.replace('_', '-')} {path!r}, which "
+                          "this run reads; name another folder")
     probe = os.path.join(args.output_dir, f".probe_{os.getpid()}")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -333,7 +105,8 @@ def check_output_dir(args: Args) -> None:
             pass
         os.remove(probe)
     except OSError as error:
-        fail(f"cannot write to --output-dir {args.output_dir!r} ({error.strerror}); name a folder you can write")
+        plumbing.fail(f"cannot write to --output-dir {args.output_dir!r} ({error.strerror}); name a folder you can "
+                      "write")
 
 
 def training_metrics_file(args: Args) -> str | None:
@@ -342,17 +115,18 @@ def training_metrics_file(args: Args) -> str | None:
     goes on without the training picture."""
     if args.metrics_file is not None:
         if not os.path.isfile(args.metrics_file):
-            fail(f"no metrics file at {args.metrics_file!r}; check --metrics-file")
+            plumbing.fail(f"no metrics file at {args.metrics_file!r}; check --metrics-file")
         return args.metrics_file
-    record = read_record(args.ppo_model)
+    record = plumbing.read_record(args.ppo_model)
     if record is None:
-        print(f"no training picture: {args.ppo_model!r} has no {RECORD} that names the run that trained it (set "
-              "--metrics-file)")
+        print(f"no training picture: {args.ppo_model!r} has no {plumbing.RECORD} that names the run that trained it "
+              "(set --metrics-file)")
         return None
     metrics_file = record.get("metrics_file")
     if not isinstance(metrics_file, str) or not os.path.isfile(metrics_file):
-        print(f"no training picture: the metrics file {metrics_file!r} named in {os.path.join(args.ppo_model, RECORD)} "
-              "does not exist (set --metrics-file)")
+        record_file = os.path.join(args.ppo_model, plumbing.RECORD)
+        print(f"no training picture: the metrics file {metrics_file!r} named in {record_file} does not exist (set "
+              "--metrics-file)")
         return None
     return metrics_file
 
@@ -360,8 +134,8 @@ def training_metrics_file(args: Args) -> str | None:
 def load_model(model_class, path: str, hint: str, args: Args, device: torch.device):
     """A checked model folder (check_model_folder), loaded with every weight used and finite, in eval mode (dropout
     off)."""
-    model = load_pretrained(model_class, path, hint, trust_remote_code=args.trust_remote_code)
-    check_finite_weights(model, f"model {path!r}")
+    model = plumbing.load_pretrained(model_class, path, hint, trust_remote_code=args.trust_remote_code)
+    plumbing.check_finite_weights(model, f"model {path!r}")
     return model.eval().to(device)
 
 
@@ -542,19 +316,21 @@ if __name__ == "__main__":
     models = [(args.sft_model, "check --sft-model"), (args.ppo_model, "check --ppo-model"),
               (args.reward_model, "check --reward-model")] + [(path, "check --snapshots-dir") for path in snapshots]
     for path, hint in models:
-        check_model_folder(path, hint)
+        plumbing.check_model_folder(path, hint)
     args.metrics_file = training_metrics_file(args)
 
     # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
-    tokenizer = load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
+    tokenizer = plumbing.load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
     tokenizer.padding_side = "left"
-    if load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code).get_vocab() != tokenizer.get_vocab():
-        fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check --ppo-model")
+    ppo_tokenizer = plumbing.load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code)
+    if ppo_tokenizer.get_vocab() != tokenizer.get_vocab():
+        plumbing.fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check "
+                      "--ppo-model")
     # A reward model with a tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
-    reward_tokenizer = load_tokenizer(args.reward_model, "check --reward-model", args.trust_remote_code)
+    reward_tokenizer = plumbing.load_tokenizer(args.reward_model, "check --reward-model", args.trust_remote_code)
     if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
         reward_tokenizer = None
-    prompts = load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
+    prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
                            args.assistant_marker if args.split_conversations else None)
 
     sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
@@ -605,7 +381,7 @@ if __name__ == "__main__":
 
     # The figures are saved before any picture is drawn, so that a failure in plotting never loses them.
     evaluation_file = os.path.join(args.output_dir, "evaluation.json")
-    write_json(evaluation_file, summary)
+    plumbing.write_json(evaluation_file, summary)
     print(f"wrote {evaluation_file}")
     if args.metrics_file is not None:
         plot_training(args.metrics_file, os.path.join(args.output_dir, "ppo_training.png"))
@@ -626,7 +402,7 @@ if __name__ == "__main__":
                   f"{points[-1]['mean_score']:+.2f}, gold {points[-1]['mean_gold_score']:+.2f}, gold win rate "
                   f"{points[-1]['gold_win_rate']:.3f}")
         summary["overoptimization"] = points
-        write_json(evaluation_file, summary)
+        plumbing.write_json(evaluation_file, summary)
         print(f"wrote {evaluation_file}, with the snapshots' figures")
         picture = os.path.join(args.output_dir, "overoptimization.png")
         plot_overoptimization(points, picture)

@@ -62,12 +62,12 @@ RANGES = {"be at least 1": lambda v: v >= 1, "be positive": lambda v: v > 0, "no
 def check_ranges(args) -> None:
     """Every flag within the range its annotation names (PositiveInt, Fraction, ...) and every float flag finite, or
     a one-line error that names the flag. Called before anything is loaded."""
+    check_finite_args(args)  # first: nan fails every range, and "must be a finite number" says why
     for name, hint in get_type_hints(type(args), include_extras=True).items():
         value = getattr(args, name)
         for rule in getattr(hint, "__metadata__", ()):
             if value is not None and not RANGES[rule](value):
                 fail(f"--{name.replace('_', '-')} must {rule}, not {value}")
-    check_finite_args(args)
 
 def check_finite_args(args) -> None:
     """Every float flag must be a number: inf or nan slip through `> 0` checks."""
@@ -186,7 +186,8 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
         model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     if optimizer is None:
-        return engine.eval()
+        engine.eval()
+        return engine
     engine.train()  # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode
     if engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
         # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
@@ -518,6 +519,15 @@ def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dic
         fsync_tree(output_dir)
     except OSError as error:  # a full disk, a folder made read-only meanwhile
         fail(f"cannot save the model to {output_dir!r} ({error}); its new files are in {output_dir}/.saving, if any")
+
+def save_engine_folder(engine, tokenizer, output_dir: str, record: dict, state_dict_of=None) -> None:
+    """An engine's model as a Hugging Face folder (save_model_folder; state_dict_of(model) gives the weights to save,
+    if not the model's own). Under ZeRO-3 the full weights are gathered first (every rank takes part; rank 0 writes)."""
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=engine.zero_optimization_stage() == 3):
+        if dist.get_rank() == 0:
+            save_model_folder(engine.module, tokenizer, output_dir, record,
+                              state_dict_of(engine.module) if state_dict_of else None)
 
 def start_tensorboard(run_name: str, args, purge_step: int | None = None) -> SummaryWriter:
     """Rank 0's tensorboard writer in runs/RUN_NAME, with the hyperparameters (the Args dataclass) as a table; with

@@ -16,24 +16,14 @@ are off by default, each behind its flag.
     deepspeed --num_gpus 2 ppo.py --actor-zero-stage 3     # the same, on 2 ranks, the actor under ZeRO-3
 """
 
-import atexit
 import contextlib
-import difflib
-import functools
 import json
-import math
 import os
-import re
 import shutil
-import signal
-import socket
-import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, fields
-from typing import Annotated, Literal, get_type_hints
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal
 
-import datasets
 import deepspeed
 import numpy as np
 import peft
@@ -45,36 +35,20 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from rich.console import Console
 from rich.table import Table
-from torch.utils.tensorboard import SummaryWriter
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GenerationConfig,
-    get_scheduler,
-)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
+                          get_scheduler)
 from transformers.integrations import HfDeepSpeedConfig
 
+import plumbing
 import rlhf_math
-
-
-# Ranges that check_args enforces, read from each field's annotation: "--total-episodes must be at least 1".
-PositiveInt = Annotated[int, "be at least 1"]
-CountInt = Annotated[int, "not be negative"]
-PositiveFloat = Annotated[float, "be positive"]
-NonNegativeFloat = Annotated[float, "not be negative"]
-Fraction = Annotated[float, "be between 0 and 1"]
-RANGES = {"be at least 1": lambda v: v >= 1, "be positive": lambda v: v > 0, "not be negative": lambda v: v >= 0,
-          "be between 0 and 1": lambda v: 0 <= v <= 1}
-
+from plumbing import CountInt, Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Seed
 
 @dataclass
 class Args:
     # Experiment
     exp_name: str = "ppo"
     """the name of this experiment, the first part of the run name"""
-    seed: int = 1
+    seed: Seed = 1
     """seed of the experiment (prompt order, sampling)"""
     output_dir: str = "checkpoints/ppo"
     """where the trained actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/); a
@@ -324,13 +298,21 @@ def critic_values(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
     return (head_at_every_position(model, sequences, attention_mask)[:, prompt_len - 1 : -1] - mean) / std
 
 def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
-                  std: float) -> torch.Tensor:
+                  std: float, tokenizer=None, reward_tokenizer=None) -> torch.Tensor:
     """The normalized score (r(x, y) - mean) / std of each prompt + response: the reward model's head at the last
     in-mask response position (the EOS, or the last token of a response cut at the length limit), where
-    rlhf_math.per_token_rewards lands it. [B, P + R] -> [B]."""
+    rlhf_math.per_token_rewards lands it. [B, P + R] -> [B]. A reward model with a tokenizer of its own
+    (reward_tokenizer) reads the sequences re-tokenized (reward_model_inputs)."""
+    sequences, attention_mask, prompt_len = reward_model_inputs(sequences, attention_mask, prompt_len, tokenizer,
+                                                                reward_tokenizer)
     token_scores = head_at_every_position(model, sequences, attention_mask)[:, prompt_len:]
     last = attention_mask[:, prompt_len:].sum(dim=1) - 1
     return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std
+
+def score_normalization(config) -> tuple[float, float]:
+    """The reward_mean and reward_std that reward_model.py stored in a model's config: the mean and standard deviation
+    of its scores of the SFT policy's responses. (0, 1), no normalization, for a config without them."""
+    return getattr(config, "reward_mean", 0.0), getattr(config, "reward_std", 1.0)
 
 def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
                         reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -352,8 +334,9 @@ def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, p
                          + eos or [reward_tokenizer.eos_token_id])
     P, R, pad = max(map(len, prompts)), max(map(len, responses)), reward_tokenizer.pad_token_id
     if P + R > reward_tokenizer.model_max_length:
-        fail(f"a prompt + response is {P + R} tokens for the reward model, more than its tokenizer's model_max_length "
-             f"{reward_tokenizer.model_max_length}; lower --max-prompt-len or --max-new-tokens")
+        plumbing.fail(f"a prompt + response is {P + R} tokens for the reward model, more than its tokenizer's "
+                      f"model_max_length {reward_tokenizer.model_max_length}; lower --max-prompt-len or "
+                      "--max-new-tokens")
     rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
     masks = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
     return torch.tensor(rows, device=sequences.device), torch.tensor(masks, device=sequences.device), P
@@ -372,14 +355,12 @@ def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> t
     mean = total / n
     return mean.float(), ((total_squares - n * mean**2).clamp(min=0) / (n - 1)).float()
 
-
 def tokens_per_mini_batch(mask: torch.Tensor, mini_batches: list[torch.Tensor]) -> torch.Tensor:
     """The in-mask tokens of each mini-batch, all ranks together: [num_mini_batches]. The update mask is [B, R];
     each mini-batch holds row indices."""
     counts = torch.stack([mask[mini_batch].sum() for mini_batch in mini_batches]).float()
     dist.all_reduce(counts)
     return counts
-
 
 def loss_weight(mask: torch.Tensor, mini_batch_tokens: torch.Tensor, args: Args):
     """The factor on a micro-batch's token-mean loss (docs/implementation_details.md, detail 38). DeepSpeed divides
@@ -391,6 +372,14 @@ def loss_weight(mask: torch.Tensor, mini_batch_tokens: torch.Tensor, args: Args)
         return 1.0
     return mask.bool().sum() * args.gradient_accumulation_steps * args.world_size / mini_batch_tokens.clamp(min=1)
 
+def adapted_kl_coef(kl_coef: float, kl: torch.Tensor, valid: torch.Tensor, args: Args) -> float:
+    """Ziegler et al.'s adaptive controller (rlhf_math.adaptive_kl_coef): beta grows when the mean KL per valid
+    response, all ranks together, overshoots --target-kl, and shrinks below it. kl [B, R]; unchanged with no valid
+    response."""
+    kl_sum, num_valid = sum_over_ranks({"kl": kl.sum(dim=1).sum(), "valid": valid.sum()}).values()
+    if num_valid == 0:
+        return kl_coef
+    return rlhf_math.adaptive_kl_coef(kl_coef, kl_sum / num_valid, args.target_kl, args.kl_horizon, args.batch_size)
 
 def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -> list:
     """This rank's share of an iteration's prompts. The prompts are shuffled once per pass over the data set, by a
@@ -400,268 +389,72 @@ def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -
     first = (iteration % batches_per_pass) * args.batch_size + rank * args.per_device_rollout_batch_size
     return [prompts[i] for i in order[first : first + args.per_device_rollout_batch_size]]
 
+def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
+    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, the results joined along
+    the rows: a scoring pass over the rollout batch needs the memory of one micro-batch."""
+    return torch.cat([function(model, sequences[i : i + size], attention_mask[i : i + size], *args)
+                      for i in range(0, len(sequences), size)])
+
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checks of the arguments, models, data and numbers: a mistake stops the run with one line that says what to fix.
-# fail, is_hub_name, check_model_folder, load_pretrained, check_finite_weights, load_tokenizer, load_split, text_of,
-# load_prompts and check_finite_args are the same in every stage that has them.
+# Checks of the arguments, models and numbers: a mistake stops the run with one line that says what to fix.
 # ---------------------------------------------------------------------------------------------------------------
-def fail(message: str) -> None:
-    """Stop with a one-line message that says what to fix, instead of a stack trace from inside a library."""
-    raise SystemExit(f"ppo.py: error: {message}")
-
-def exact_div(a: int, b: int, what: str) -> int:
-    """a / b, which must divide exactly: batch arithmetic is never silently rounded."""
-    if b <= 0 or a % b != 0:
-        fail(f"{what}: {a} is not divisible by {b}")
-    return a // b
-
-def is_hub_name(path: str) -> bool:
-    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
-    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
-    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
-    first = path.split("/")[0]
-    here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
-    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
-                or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
-
-def check_model_folder(path: str, hint: str) -> None:
-    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
-    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
-    if is_hub_name(path):
-        return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
-    if not os.path.isdir(path):
-        fail(f"no model folder at {path!r}; {hint}")
-    files = os.listdir(path)
-    if "config.json" not in files:
-        fail(f"{path!r} holds no model (no config.json); {hint}")
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            json.load(f)
-    except (OSError, ValueError) as error:
-        fail(f"{path!r} has a damaged config.json ({error}); {hint}")
-    if not any(f.endswith(".safetensors") for f in files):
-        if any(f.endswith(".bin") for f in files):
-            fail(f"{path!r} has no model.safetensors; only safetensors weights are loaded (no pickle): if you trust "
-                 "the file, convert it once with from_pretrained(path, use_safetensors=False).save_pretrained(path)")
-        fail(f"{path!r} has no model weights (model.safetensors); {hint}")
-
-def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
-    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
-    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
-    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
-    checkpoint or left unused in it."""
-    try:
-        model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
-    except (OSError, ValueError, safetensors.SafetensorError) as error:
-        fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
-    checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
-    missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
-    unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
-    if missing or unexpected:
-        fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
-             f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
-    return model
-
-def check_finite_weights(model, name: str) -> None:
-    """Stop before training if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling
-    or as a NaN loss. Under ZeRO-3 each parameter is gathered in turn (every rank takes part)."""
-    bad = []
-    for param_name, param in model.named_parameters():
-        with deepspeed.zero.GatheredParameters(param):  # does nothing to a parameter that is not partitioned
-            if not torch.isfinite(param).all():
-                bad.append(param_name)
-    if bad:
-        fail(f"the {name} has weights that are not finite (inf or nan) in {len(bad)} tensors ({', '.join(bad[:3])}); "
-             "its checkpoint is damaged: train it again")
-
-def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
-    """AutoTokenizer.from_pretrained, or a one-line error that says what to fix."""
-    if not is_hub_name(path) and not os.path.isdir(path):
-        fail(f"no tokenizer folder at {path!r}; {hint}")
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
-
-def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
-               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
-    """One split of a hub data set (config: its configuration name, if it has several) or of a local file or folder,
-    checked for the columns we need; a one-line error that names the flag to fix otherwise."""
-    kinds = f"{', '.join(extensions[:-1])} or {extensions[-1]}"
-    if not os.path.exists(dataset) and not is_hub_name(dataset):
-        fail(f"no data set at {dataset!r}; check {flag}")
-    if os.path.isfile(dataset) and not dataset.endswith(extensions):
-        fail(f"{flag} {dataset!r} is not a {kinds} file")
-    if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
-        fail(f"{flag} {dataset!r} is an empty file")
-    try:
-        if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
-            kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
-            data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
-        else:
-            data = datasets.load_dataset(dataset, config, split=split)
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
-        error = error.__cause__ or error  # the generation error's cause says which row is malformed
-        if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not
-            with open(dataset, encoding="utf-8", errors="replace") as f:
-                for number, line in enumerate(f, 1):
-                    try:
-                        json.loads(line) if line.strip() else None
-                    except ValueError as bad:
-                        fail(f"line {number} of {dataset!r} is not valid JSON ({bad}); fix or remove it")
-        fail(f"cannot load split {split!r} of data set {dataset!r} ({' '.join(str(error).split())[:300]}); check "
-             f"{flag} (a UTF-8 {kinds} file) and the split flags")
-    missing = [c for c in columns if c not in data.column_names]
-    if missing:
-        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
-        fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}"
-             + ("; if 'chosen' and 'rejected' each hold the whole conversation (the hh-rlhf layout), pass "
-                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else ""))
-    try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
-        data.select_columns(columns).data.validate(full=True)
-    except ValueError as error:
-        fail(f"data set {dataset!r} split {split!r} is not UTF-8 text ({error}); save it as UTF-8")
-    return data
-
-def text_of(row: dict, i: int, column: str, split: str) -> str:
-    """The text in one cell of the data, or an error that names the row, the column and what is wrong with it."""
-    value = row[column]
-    problem = ("empty (null)" if value is None else f"a value of type {type(value).__name__}, not text"
-               if not isinstance(value, str) else "empty text" if not value.strip() else None)
-    if problem:
-        fail(f"row {i} of split {split!r}, column {column!r}: {problem}; fix or remove the row")
-    return value
-
-
-def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[str, str]:
-    """A whole conversation (the hh-rlhf layout, "\n\nHuman: ...\n\nAssistant: ...") -> (prompt, response): the
-    prompt up to and including its last assistant marker, the response after it."""
-    cut = text.rfind(assistant_marker)
-    if cut < 0:
-        fail(f"{where}: no {assistant_marker!r} to split the conversation at; check --assistant-marker")
-    prompt, response = text[: cut + len(assistant_marker)], text[cut + len(assistant_marker) :]
-    if not response.strip():
-        fail(f"{where}: nothing after the last {assistant_marker!r}; fix or remove the row")
-    return prompt, response
-
-
-def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
-    """The token ids of one row's prompt. Text is tokenized as it is (split_special_tokens: text that spells a special
-    token, "<|endoftext|>", stays text, never a real EOS); with assistant_marker the text is a whole conversation
-    whose prompt ends at its last marker (split_conversation). A list of {"role", "content"} messages goes through
-    the tokenizer's chat template, up to the opening of the assistant's turn."""
-    value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
-    if not isinstance(value, list):
-        text = text_of(row, i, column, split)
-        if assistant_marker is not None:
-            text = split_conversation(text, assistant_marker, where)[0]
-        return tokenizer(text, split_special_tokens=True)["input_ids"]
-    if tokenizer.chat_template is None:
-        fail(f"{where} holds chat messages, but the tokenizer has no chat template; use a tokenizer that has one (an "
-             "instruct or chat model's) or give the prompts as text")
-    if not value or not all(isinstance(message, dict) and isinstance(message.get("role"), str)
-                            and isinstance(message.get("content"), str) for message in value):
-        fail(f"{where}: not a list of {{'role': ..., 'content': ...}} messages with text content; fix or remove the row")
-    # The template's text is tokenized with its markers as real tokens: a message that spells one would fake a turn.
-    spelled = [token for token in tokenizer.get_added_vocab() if any(token in m["content"] for m in value)]
-    if spelled:
-        fail(f"{where}: a message spells the token {spelled[0]!r}, which the chat template would read as the real "
-             "one; fix or remove the row")
-    text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool,
-                 assistant_marker: str | None = None) -> list:
-    """The token ids (prompt_ids) of every prompt of a split that fits max_prompt_len: a longer prompt is dropped,
-    never truncated, and the dropped ones are counted (on rank 0)."""
-    data = load_split(dataset, split, [column])
-    prompts, too_long = [], 0
-    for i, row in enumerate(data):
-        ids = prompt_ids(tokenizer, row, i, column, split, assistant_marker)
-        if len(ids) > max_prompt_len:
-            too_long += 1
-        else:
-            prompts.append(ids)
-    if too_long and is_main:
-        print(f"dropped {too_long} of {len(data)} prompts longer than --max-prompt-len {max_prompt_len}")
-    if not prompts:
-        fail(f"no prompt of split {split!r} fits --max-prompt-len {max_prompt_len}; raise it")
-    return prompts
-
-
-def check_finite_args(args) -> None:
-    """Every float flag must be a number: inf or nan slip through `> 0` checks."""
-    for field in fields(args):
-        value = getattr(args, field.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
-
-
 def check_args(args: Args) -> None:
     """Bad flags stop the script here, with a message that names them, before anything is loaded. The ranges are
     read from the fields' annotations (PositiveInt, Fraction, ...)."""
-    for name, hint in get_type_hints(Args, include_extras=True).items():
-        value = getattr(args, name)
-        for rule in getattr(hint, "__metadata__", ()):
-            if value is not None and not RANGES[rule](value):
-                fail(f"--{name.replace('_', '-')} must {rule}, not {value}")
+    plumbing.check_ranges(args)
     if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
-        fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score {args.clip_score}]: "
-             "the score it replaces is clipped to [-clip_score, clip_score]")
-    if not 0 <= args.seed < 2**32:
-        fail(f"--seed must be between 0 and 2**32 - 1, not {args.seed}")
+        plumbing.fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score "
+                      f"{args.clip_score}]: the score it replaces is clipped to [-clip_score, clip_score]")
     if os.path.isfile(args.output_dir):
-        fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
+        plumbing.fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
     if args.only_optimize_lora and not args.actor_lora_dim:
-        fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim for the "
-             "critic's)")
+        plumbing.fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim "
+                      "for the critic's)")
     if args.align_overflow and args.dtype != "fp16":
-        fail("--align-overflow is for --dtype fp16 (a GPU's loss-scaled training); bf16 and fp32 do not overflow")
+        plumbing.fail("--align-overflow is for --dtype fp16 (a GPU's loss-scaled training); bf16 and fp32 do not "
+                      "overflow")
     if args.enable_hybrid_engine and (args.actor_lora_dim or args.critic_lora_dim):
-        fail("--enable-hybrid-engine does not support LoRA: DeepSpeed's hybrid engine knows only DeepSpeed-Chat's "
-             "own LoRA layers, not peft's")
+        plumbing.fail("--enable-hybrid-engine does not support LoRA: DeepSpeed's hybrid engine knows only "
+                      "DeepSpeed-Chat's own LoRA layers, not peft's")
+    if args.enable_hybrid_engine and get_accelerator().device_name() == "cpu":
+        plumbing.fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
-        fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
-    check_finite_args(args)
-
+        plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
 
 def check_models(args: Args, is_main: bool):
     """The three model folders and their tokenizers, checked before any model loads. Returns the actor's tokenizer,
     which pads prompts on the left (its pad token must not be EOS: stage 1 makes sure), the reward model's when it
     is another (else None), and the critic's folder. Prompt + response must fit the model's positions."""
-    check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
-    check_model_folder(args.reward_model_name_or_path,
-                       "run reward_model.py first or check --reward-model-name-or-path")
-    tokenizer = load_tokenizer(args.actor_model_name_or_path, "check --actor-model-name-or-path",
-                               args.trust_remote_code)
+    plumbing.check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
+    plumbing.check_model_folder(args.reward_model_name_or_path,
+                                "run reward_model.py first or check --reward-model-name-or-path")
+    tokenizer = plumbing.load_tokenizer(args.actor_model_name_or_path, "check --actor-model-name-or-path",
+                                        args.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
-             "a model saved by sft.py has one")
-    reward_tokenizer = load_tokenizer(args.reward_model_name_or_path, "check --reward-model-name-or-path",
-                                      args.trust_remote_code)
+        plumbing.fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
+                      "a model saved by sft.py has one")
+    reward_tokenizer = plumbing.load_tokenizer(args.reward_model_name_or_path, "check --reward-model-name-or-path",
+                                               args.trust_remote_code)
     if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
         reward_tokenizer = None
     elif reward_tokenizer.eos_token_id is None or reward_tokenizer.pad_token_id is None:
-        fail(f"the tokenizer of the reward model {args.reward_model_name_or_path!r} needs an EOS and a pad token; "
-             "a model saved by reward_model.py has both")
+        plumbing.fail(f"the tokenizer of the reward model {args.reward_model_name_or_path!r} needs an EOS and a pad "
+                      "token; a model saved by reward_model.py has both")
     # The critic reads the actor's tokens: a reward model that reads others cannot be its start.
     critic_path = args.critic_model_name_or_path or \
         (args.actor_model_name_or_path if reward_tokenizer else args.reward_model_name_or_path)
-    check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
+    plumbing.check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
     if reward_tokenizer and is_main:
         print(f"the reward model has another tokenizer than the actor: every prompt + response is decoded to text "
               f"and tokenized again for it; the critic starts from {critic_path!r}"
               + (" with a fresh value head" if critic_path == args.actor_model_name_or_path else ""))
     actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
     if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
-        fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer than the "
-             f"model's {actor_config.max_position_embeddings} positions; lower them")
+        plumbing.fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer "
+                      f"than the model's {actor_config.max_position_embeddings} positions; lower them")
     return tokenizer, reward_tokenizer, critic_path
-
 
 def check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration: int, start: int) -> None:
     """A forward pass that gives inf or NaN (a model broken by its weights or its precision) stops the run before it
@@ -670,98 +463,39 @@ def check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, 
     for name, x in [("actor's log-probs", logprobs[in_mask]), ("reference's log-probs", ref_logprobs[in_mask]),
                     ("critic's values", values[in_mask]), ("reward model's scores", scores)]:
         if not torch.isfinite(x).all():
-            fail(f"iteration {iteration}: the {name} are not finite (inf or nan); check that model, or use "
-                 "--dtype fp32" + ("" if iteration == start else ", or lower the learning rates"))
-
+            plumbing.fail(f"iteration {iteration}: the {name} are not finite (inf or nan); check that model, or use "
+                          "--dtype fp32" + ("" if iteration == start else ", or lower the learning rates"))
 
 def reuse_last_valid_rollout(last_valid_rollout, iteration: int, rank: int, args: Args):
     """When every response of a rank's batch is invalid there is nothing to learn from: DeepSpeed-Chat's fallback is
-    to train on the last valid batch again (sampled by an older policy, so its first ratio is not 1)."""
+    to train on the last valid batch again (sampled by an older policy, so its first ratio is not 1). Returns that
+    batch and its prompt length; stops the run when there is none."""
     if last_valid_rollout is None:
-        fail(f"iteration {iteration}: no response has --min-response-tokens {args.min_response_tokens} "
-             "real tokens, and there is no earlier batch to reuse; check the SFT model and max_new_tokens")
+        plumbing.fail(f"iteration {iteration}: no response has --min-response-tokens {args.min_response_tokens} "
+                      "real tokens, and there is no earlier batch to reuse; check the SFT model and max_new_tokens")
     print(f"warning: rank {rank}, iteration {iteration}: every response is invalid; reusing the last valid batch")
     return last_valid_rollout
 
-
-def check_first_ratio(new_logprobs, old_logprobs, mask, iteration: int, args: Args) -> None:
-    """Before the first optimizer step the policy is the one that sampled: in fp32 every log-prob equals the
-    rollout's, bit for bit, on one rank or several, ZeRO-3 included. If not, the update computes them differently
-    (dropout on, another temperature, a nondeterministic kernel)."""
-    mask = mask.bool()
-    if args.dtype == "fp32" and not torch.equal(new_logprobs[mask], old_logprobs[mask]):
-        gap = (new_logprobs - old_logprobs)[mask].abs().max().item()
-        fail(f"iteration {iteration}: before the first optimizer step the PPO ratio is not exactly 1 (log-probs "
-             f"differ from the rollout's by up to {gap:.2e}): is dropout on (--disable-dropout) or the model "
-             "nondeterministic?")
-
-
-def check_finite_losses(pg_loss, vf_loss, iteration: int) -> None:
-    """A NaN loss stops the run instead of training on it."""
+def check_update(new_logprobs, mb: dict, pg_loss, vf_loss, first_step: bool, iteration: int, args: Args) -> None:
+    """A NaN loss stops the run instead of training on it. And before the first optimizer step (first_step) the
+    policy is the one that sampled: in fp32 every log-prob equals the rollout's, bit for bit, on one rank or several,
+    ZeRO-3 included. If not, the update computes them differently (dropout on, another temperature, a
+    nondeterministic kernel)."""
+    mask = mb["mask"].bool()
+    if first_step and args.dtype == "fp32" and not torch.equal(new_logprobs[mask], mb["logprobs"][mask]):
+        gap = (new_logprobs - mb["logprobs"])[mask].abs().max().item()
+        plumbing.fail(f"iteration {iteration}: before the first optimizer step the PPO ratio is not exactly 1 "
+                      f"(log-probs differ from the rollout's by up to {gap:.2e}): is dropout on (--disable-dropout) "
+                      "or the model nondeterministic?")
     for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:
         if not torch.isfinite(loss):
-            fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise --kl-coef or use "
-                 "--dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
+            plumbing.fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise --kl-coef "
+                          "or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The four DeepSpeed engines, as DeepSpeed-Chat's RLHF engine builds them: one config and one ZeRO stage each.
 # ---------------------------------------------------------------------------------------------------------------
-def set_up_distributed(args: Args) -> torch.device:
-    """Join the ranks' process group and return this rank's device. deepspeed and torchrun set RANK, LOCAL_RANK and
-    WORLD_SIZE; a plain `python` run is one rank."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    args.local_rank = int(os.environ["LOCAL_RANK"])
-    on_cpu = get_accelerator().device_name() == "cpu"
-    if args.dtype == "fp16" and on_cpu:
-        fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
-    if args.enable_hybrid_engine and on_cpu:
-        fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
-    get_accelerator().set_device(args.local_rank)
-    if on_cpu:
-        one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
-    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
-    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
-    # (torch 2.13). Checked first, since tests run a script several times in one process.
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-    if on_cpu:
-        remove_shared_memory_file()
-    args.world_size = dist.get_world_size()
-    return torch.device(get_accelerator().device_name(args.local_rank))
-
-
-def one_openmp_thread_for_new_threads() -> None:
-    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
-    The collectives run on gloo's worker threads, and with torch's default each of them starts an OpenMP team of its
-    own at its first large tensor copy. The process then has more OpenMP threads than cores, libgomp puts idle threads
-    to sleep at once instead of spinning, and every operation of every model waits for its threads to wake up (the
-    bundled task under ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the calling
-    thread's count and the count that a thread takes at its first parallel operation, so it is called from a
-    short-lived thread of its own (checked with torch 2.13: test_new_threads_take_one_openmp_thread)."""
-    torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
-    setter = threading.Thread(target=torch.set_num_threads, args=(1,))
-    setter.start()
-    setter.join()
-
-
-def remove_shared_memory_file() -> None:
-    """DeepSpeed's shared-memory all-reduce for the CPU ranks of one node (for its inference engine; unused here) gives
-    each rank a 66 MB file in /dev/shm when the process group starts, and never removes it: every run would keep that
-    much memory per rank until the machine restarts. Once every rank has joined, each has mapped the others' files, so
-    each rank removes its own name, and the memory goes when the last rank exits (the name is the one DeepSpeed
-    0.19.8's shm.cpp gives it; a job across nodes or under torchrun makes none)."""
-    dist.barrier()  # every rank has mapped every rank's file
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
-            f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
-    if os.path.exists(name):
-        os.remove(name)
-
-
 def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
@@ -791,14 +525,10 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
                 gradient_checkpointing: bool = False, lora_dim: int = 0, lora_learning_rate: float = 0.0):
     """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a learning-rate schedule when a
     learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward, EMA). With
-    lora_dim > 0 it gets LoRA adapters first. Every weight must load (load_pretrained)."""
+    lora_dim > 0 it gets LoRA adapters first. Every weight must load (plumbing.load_pretrained)."""
     # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
-    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-    if args.disable_dropout:
-        for key, value in config.to_dict().items():
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-                setattr(config, key, 0.0)
+    config = plumbing.model_config(path, args.disable_dropout, args.trust_remote_code)
     # Loaded in the precision the engine trains in (fp32 unless its config says bf16 or fp16), not in the checkpoint's:
     # transformers would otherwise keep an fp16 checkpoint in fp16 in an fp32 run.
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
@@ -808,46 +538,32 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
         any(name.endswith("ForCausalLM") for name in config.architectures or [])
     if new_head:
         config.num_labels = 1
-    model = load_pretrained(model_class, path, f"check {flag}", new_head=new_head, config=config, dtype=dtype,
-                            trust_remote_code=args.trust_remote_code)
+    model = plumbing.load_pretrained(model_class, path, f"check {flag}", new_head=new_head, config=config, dtype=dtype,
+                                     trust_remote_code=args.trust_remote_code)
     if lora_dim:
         model = add_lora(model, lora_dim, args)
         if new_head and learning_rate is not None:
             model.score.requires_grad_(True)  # a fresh value head must learn, even with --only-optimize-lora
     if learning_rate is None:
-        model.requires_grad_(False)
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
-        engine.eval()
-        return engine
+        return plumbing.initialize_engine(model, ds_config)
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    # torch's fused AdamW updates every weight in one kernel (the for-loop default launches several per weight); with
-    # --offload the step runs on the CPU, where DeepSpeed wants its own vectorised CPU Adam.
-    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if args.offload else functools.partial(
-        torch.optim.AdamW, fused=get_accelerator().device_name() in ("cpu", "cuda"))
     # Two parameter groups: the model's own weights and, with LoRA, its adapters with their own learning rate.
     groups = [{"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n],
                "lr": learning_rate},
               {"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
                "lr": lora_learning_rate}]
-    optimizer = adam([group for group in groups if group["params"]], lr=learning_rate, weight_decay=args.weight_decay)
+    optimizer = plumbing.adamw([group for group in groups if group["params"]], learning_rate, args.weight_decay,
+                               args.offload)
     num_steps = args.num_iterations * args.num_ppo_epochs * args.num_mini_batches
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    engine.train()  # dropout is off, so train and eval mode compute the same; train mode enables checkpointing
-    if engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
-        # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
-        # it and copy them back after every backward pass (checked with DeepSpeed 0.19.8).
-        engine.enable_backward_allreduce = False
-    return engine
-
+    return plumbing.initialize_engine(model, ds_config, optimizer, scheduler)
 
 def check_score_head(engine, name: str) -> None:
     """Critic and reward model are sequence classifiers whose head we apply at every position."""
     if not isinstance(getattr(engine.module, "score", None), torch.nn.Linear) or engine.module.config.num_labels != 1:
-        fail(f"the {name} must be a 1-label AutoModelForSequenceClassification with a linear `score` head "
-             "(as reward_model.py saves it)")
-
+        plumbing.fail(f"the {name} must be a 1-label AutoModelForSequenceClassification with a linear `score` head "
+                      "(as reward_model.py saves it)")
 
 def build_engines(args: Args, critic_path: str):
     """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
@@ -879,13 +595,13 @@ def build_engines(args: Args, critic_path: str):
     check_score_head(reward, "reward model")
     # Each weights file is checked once: the reference (and the EMA) load the actor's, and the critic, unless
     # --critic-model-name-or-path is set, the reward model's.
-    check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
-    check_finite_weights(reward.module, f"model {args.reward_model_name_or_path!r} (--reward-model-name-or-path)")
+    plumbing.check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
+    plumbing.check_finite_weights(reward.module,
+                                  f"model {args.reward_model_name_or_path!r} (--reward-model-name-or-path)")
     if critic_path != args.reward_model_name_or_path:
-        check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
+        plumbing.check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
     ema = init_ema(actor, args) if args.enable_ema else None
     return actor, reference, critic, reward, ema
-
 
 @contextlib.contextmanager
 def gathered(engine, enabled: bool):
@@ -928,7 +644,6 @@ def gathered(engine, enabled: bool):
         if partitioned:  # back to this rank's shard; nothing was changed, so nothing is written back
             partitioned[0].partition(param_list=partitioned, has_been_updated=False)
 
-
 def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, iteration: int,
                      start: int) -> torch.Tensor:
     """One response sampled from the actor for each prompt: [B, P] -> [B, max_new_tokens], padded on the right. Under
@@ -942,165 +657,13 @@ def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_
     except RuntimeError as error:  # torch.multinomial's "probability tensor contains inf, nan or < 0"
         if "inf" not in str(error):
             raise
-        fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while sampling "
-             f"({str(error).strip()}); " + ("lower the learning rates" if iteration > start
+        plumbing.fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while sampling "
+                      f"({str(error).strip()}); " + ("lower the learning rates" if iteration > start
                                             else "check --actor-model-name-or-path and --temperature"))
     actor.train()
     responses = sequences[:, prompt_ids.shape[1] :]
     return torch.nn.functional.pad(responses, (0, generation_config.max_new_tokens - responses.shape[1]),
                                    value=generation_config.pad_token_id)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Output folder, lock and launcher watch: plumbing that keeps a run from destroying a user's files or outliving
-# its launcher (docs/implementation_details.md, detail 40). The same functions in every stage.
-# ---------------------------------------------------------------------------------------------------------------
-RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
-
-
-def read_record(folder: str) -> dict | None:
-    """The training_run.json of a folder, or None if it has none that reads."""
-    try:
-        with open(os.path.join(folder, RECORD)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def write_json(path: str, value) -> None:
-    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def fsync_tree(path: str) -> None:
-    """Flush a folder's files and the folder entries themselves to disk, so that a rename after this names complete
-    files even after a power cut."""
-    for root, _, files in os.walk(path):
-        for name in files + ["."]:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-
-
-def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
-    """Make OUTPUT_DIR this run's before any model loads, or stop with a message. It must not be, nor hold, an input
-    (--output-dir . holds the data); a non-empty folder must hold an earlier output of this script (its
-    training_run.json says so) unless --overwrite; it must be writable. OUTPUT_DIR/.lock, holding host and pid, keeps
-    a second run out while this one lives; it is removed at exit, and one left by a killed run is taken over."""
-    script = os.path.basename(__file__)
-    real = os.path.realpath(output_dir)
-    for flag, path in inputs.items():
-        if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
-            fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
-    ours = (read_record(output_dir) or {}).get("script") == script
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        if not ours:
-            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script}; name a new or "
-                 "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
-                 "else is deleted)")
-    lock, me = os.path.join(output_dir, ".lock"), f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            os.makedirs(output_dir, exist_ok=True)
-            with open(lock, "x") as f:
-                f.write(me)
-            break
-        except FileExistsError:
-            host, pid = (open(lock).read().split() + ["?", "0"])[:2]
-            if host != socket.gethostname() or pid_alive(int(pid) if pid.isdigit() else 0):
-                fail(f"--output-dir {output_dir!r} is in use by another run (pid {pid} on {host}); wait for it to end "
-                     f"or stop it (if it is gone, delete {lock})")
-            os.remove(lock)  # left by a run that was killed
-        except OSError as error:
-            fail(f"cannot write to --output-dir {output_dir!r} ({error.strerror}); name a folder you can write")
-    def release_lock():
-        with contextlib.suppress(OSError), open(lock) as f:
-            if f.read() == me:
-                os.remove(lock)
-
-    atexit.register(release_lock)
-    if not ours:
-        write_json(os.path.join(output_dir, RECORD), {"script": script, "finished": False})
-
-
-def make_run_dir(run_name: str) -> str:
-    """runs/RUN_NAME, for the tensorboard logs (and ppo.py's metrics.jsonl), made before anything loads."""
-    path = os.path.join("runs", run_name)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        fail(f"cannot write the run's logs to {path} ({error.strerror}); run from a folder you can write")
-    return path
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid runs on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return pid > 0
-
-
-def on_rank_0(function):
-    """function() on rank 0 only, its result sent to every rank; if it stops with a message, every rank stops with
-    that message (instead of waiting for rank 0 forever)."""
-    result = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            result = [function(), None]
-        except SystemExit as stop:
-            result = [None, str(stop)]
-    dist.broadcast_object_list(result, src=0)
-    if result[1] is not None:
-        raise SystemExit(result[1])
-    return result[0]
-
-
-def stop_on_signals() -> None:
-    """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
-    def stop(signum, frame):
-        raise SystemExit(f"{os.path.basename(__file__)}: error: stopped by {signal.Signals(signum).name}")
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-
-
-def watch_launcher() -> None:
-    """Exit within a second or two when the launcher that started this rank dies: a killed `deepspeed` or `torchrun`
-    does not take its ranks along, and an orphaned rank would go on training and writing checkpoints. The launcher
-    is every ancestor process that runs this same Python (deepspeed's runner and launch.py, torchrun; for a plain
-    `python` run from a shell, none); a thread checks each second that each is still there (Linux /proc)."""
-    def parent_and_start(pid):  # None once the process is gone, or dead and waiting to be reaped (a zombie)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
-        except (OSError, IndexError):
-            return None
-
-    watched, pid = [], os.getppid()
-    while pid > 1 and (process := parent_and_start(pid)) and \
-            os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
-        watched.append((pid, process[1]))
-        pid = process[0]
-
-    def watch():
-        while all((parent_and_start(pid) or (None, None))[1] == start for pid, start in watched):
-            time.sleep(1)
-        print(f"{os.path.basename(__file__)}: error: rank {os.environ.get('RANK')}: the launcher that started this "
-              "rank is gone; stopping", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    if watched:
-        threading.Thread(target=watch, daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1119,19 +682,6 @@ def changed_settings(saved: dict, args: Args) -> list[str]:
     return [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
             if name not in RESUME_MAY_CHANGE and name in saved and saved[name] != value]
 
-def complete_checkpoints(checkpoint_dir: str) -> list[str]:
-    """The complete checkpoints of OUTPUT_DIR/resume, newest first: the one `latest` names, then the others (a folder
-    is complete once renamed from its .tmp)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    names = sorted((name for name in os.listdir(checkpoint_dir) if re.fullmatch(r"iteration_\d+", name)),
-                   key=lambda name: int(name.removeprefix("iteration_")), reverse=True)
-    with contextlib.suppress(OSError), open(os.path.join(checkpoint_dir, "latest")) as f:
-        latest = f.read().strip()
-        if latest in names:
-            names.insert(0, names.pop(names.index(latest)))
-    return [os.path.join(checkpoint_dir, name) for name in names]
-
 def read_state(checkpoint: str) -> dict | None:
     """A checkpoint's state.json, or None if it does not read."""
     try:
@@ -1147,198 +697,77 @@ def checkpoint_problem(checkpoint: str, engines: dict) -> str | None:
     must be whole safetensors files that hold a tensor for every parameter (and Adam's two moments of each)."""
     if read_state(checkpoint) is None:
         return "its state.json is missing or damaged"
-    for folder, engine in engines.items():
-        names = {name for name, _ in engine.module.named_parameters()}
-        files = {"model.safetensors": names}
-        if folder != "actor_ema":
-            files["adam.safetensors"] = {f"{name}.{moment}" for name in names for moment in ("exp_avg", "exp_avg_sq")}
-        for file, expected in files.items():
-            try:
-                with safetensors.safe_open(os.path.join(checkpoint, folder, file), "pt") as f:
-                    if set(f.keys()) != expected:
-                        return f"{folder}/{file} does not hold this model's parameters"
-            except (OSError, safetensors.SafetensorError) as error:
-                return f"{folder}/{file}: {' '.join(str(error).split())[:200]}"
+    for folder, engine in engines.items():  # the EMA is frozen: it has no optimizer state
+        problem = plumbing.engine_state_problem(os.path.join(checkpoint, folder), engine, folder != "actor_ema")
+        if problem is not None:
+            return problem
     return None
 
 def start_run(args: Args) -> dict:
-    """Rank 0's checks of the output folder before anything loads (claim_output_dir), and the run they lead to: a new
-    run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed (changed_settings).
-    Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to resume from, newest first."""
+    """Rank 0's checks of the output folder before anything loads (plumbing.claim_output_dir), and the run they lead
+    to: a new run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed
+    (changed_settings). Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to resume
+    from, newest first."""
     inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
               "--unsup-dataset": args.unsup_dataset}
-    record = read_record(args.output_dir) or {}  # an earlier run's, if ppo.py wrote this folder before
+    record = plumbing.read_record(args.output_dir) or {}  # an earlier run's, if ppo.py wrote this folder before
     if record.get("script") != "ppo.py":
         record = {}
-    claim_output_dir(args.output_dir, inputs, args.overwrite)
+    plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite)
     checkpoint_dir = os.path.join(args.output_dir, "resume")
-    checkpoints = complete_checkpoints(checkpoint_dir) if record else []
+    checkpoints = plumbing.complete_checkpoints(checkpoint_dir) if record else []
     if args.resume:
         if "run_name" not in record:
-            fail(f"--resume: no run of ppo.py in {args.output_dir!r} to continue")
+            plumbing.fail(f"--resume: no run of ppo.py in {args.output_dir!r} to continue")
         if record.get("finished"):
-            fail(f"--resume: the run in {args.output_dir!r} has finished all its iterations; nothing to resume (its "
-                 "actor and critic are in actor/ and critic/)")
+            plumbing.fail(f"--resume: the run in {args.output_dir!r} has finished all its iterations; nothing to "
+                          "resume (its actor and critic are in actor/ and critic/)")
         states = [state for state in map(read_state, checkpoints) if state is not None]
         if not states:
-            fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
+            plumbing.fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
         changed = changed_settings(states[0]["args"], args)
         if changed:
-            fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its "
-                 "settings (only those listed under --resume in --help may change)")
+            plumbing.fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its "
+                          "settings (only those listed under --resume in --help may change)")
         run_name, metrics_file = record["run_name"], record["metrics_file"]
     else:
         if checkpoints and not record.get("finished") and not args.overwrite:
-            fail(f"{args.output_dir!r} holds checkpoints of an unfinished run ({os.path.basename(checkpoints[0])}): "
-                 "continue it with --resume, or pass --overwrite to start a new run, which deletes them")
+            plumbing.fail(f"{args.output_dir!r} holds checkpoints of an unfinished run "
+                          f"({os.path.basename(checkpoints[0])}): continue it with --resume, or pass --overwrite to "
+                          "start a new run, which deletes them")
         if record:  # an earlier run's checkpoints and snapshots, which this run replaces
             for folder in ["resume", "snapshots"]:
                 shutil.rmtree(os.path.join(args.output_dir, folder), ignore_errors=True)
         checkpoints = []
         run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
         metrics_file = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
-        write_json(os.path.join(args.output_dir, RECORD), {"script": "ppo.py", "finished": False, "run_name": run_name,
-                                                            "metrics_file": metrics_file, "args": asdict(args)})
-    make_run_dir(run_name)
+        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD), {
+            "script": "ppo.py", "finished": False, "run_name": run_name, "metrics_file": metrics_file,
+            "args": asdict(args)})
+    plumbing.make_run_dir(run_name)
     return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints}
 
-def continue_metrics_file(path: str, iteration: int) -> None:
-    """On --resume, the run's metrics.jsonl keeps the lines of the iterations up to the checkpoint's and loses those
-    after it (logged by the killed run, they are logged again), and any line cut short by the kill."""
-    if not os.path.isfile(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                if json.loads(line)["iteration"] <= iteration:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-def save_weights(engine, path: str, is_main: bool) -> None:
-    """Every parameter of a frozen engine (the EMA) under the engine's own names (LoRA adapters unmerged), gathered
-    whole under ZeRO-3 (every rank takes part; rank 0 writes), in path/model.safetensors: for --resume."""
-    weights = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
-            if is_main:
-                weights[name] = param.detach().cpu().clone()
-    if is_main:
-        os.makedirs(path, exist_ok=True)
-        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
-
-def load_weights(engine, weights: dict[str, torch.Tensor]) -> None:
-    """The inverse of save_weights: every parameter set from `weights` (a loaded model.safetensors, by the engine's own
-    names), under ZeRO-3 into every rank's partition (modifier_rank)."""
-    for name, param in engine.module.named_parameters():
-        with torch.no_grad(), deepspeed.zero.GatheredParameters(
-                param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
-            param.data.copy_(weights[name])
-
-def torch_optimizer(engine):
-    """The torch optimizer inside an engine, whose state holds Adam's step count. Under ZeRO or bf16 DeepSpeed wraps it
-    and keeps it in the wrapper's `optimizer` attribute, for which it has no public accessor; under ZeRO-0 in fp32 the
-    engine's optimizer is the torch one. Checked with DeepSpeed 0.19.8 (test_killed_run_resumes_to_the_same_metrics,
-    every ZeRO stage)."""
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
-
-
-def save_training_state(engine, path: str, is_main: bool) -> dict:
-    """What --resume needs of a trained model, in safetensors (nothing that a load would unpickle): the fp32 master
-    weights in model.safetensors and Adam's moments in adam.safetensors, under the engine's own parameter names (LoRA
-    adapters unmerged). Each tensor is whole, gathered from the ranks' partitions under ZeRO (every rank takes part;
-    rank 0 writes). Returns the optimizer's step count and the scheduler's state, for state.json."""
-    # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
-    # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
-    base_optimizer = torch_optimizer(engine)
-    plain = engine.optimizer is base_optimizer
-    weights, moments = {}, {}
-    for name, param in engine.module.named_parameters():
-        if plain:
-            master, state = param.detach(), engine.optimizer.state[param]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        else:
-            master = deepspeed.utils.safe_get_full_fp32_param(param)
-            exp_avg = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg")
-            exp_avg_sq = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg_sq")
-        if is_main:
-            weights[name] = master.cpu().contiguous()
-            moments[f"{name}.exp_avg"] = exp_avg.cpu().contiguous()
-            moments[f"{name}.exp_avg_sq"] = exp_avg_sq.cpu().contiguous()
-    if is_main:
-        os.makedirs(path, exist_ok=True)
-        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
-        safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
-    adam_step = int(next(iter(base_optimizer.state.values()))["step"])
-    return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict()}
-
-def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
-    """Restore the weights, Adam's moments, step count and learning rate that save_training_state wrote, into an
-    engine built from the model the run started from: the model's own weights (in its dtype) and, under bf16 or
-    ZeRO, the fp32 master copy that the optimizer updates."""
-    # DeepSpeed creates Adam's moments lazily, at the first optimizer step. One step with learning rate 0 and zero
-    # gradients creates them without moving any weight; everything is overwritten below.
-    for group in engine.optimizer.param_groups:
-        group["lr"] = 0.0
-    for _ in range(engine.gradient_accumulation_steps()):
-        engine.backward(engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits.sum() * 0.0)
-        engine.step()
-    weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
-    load_weights(engine, weights)
-    moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
-    base_optimizer = torch_optimizer(engine)
-    plain = engine.optimizer is base_optimizer  # ZeRO-0 in fp32, as in save_training_state
-    for name, param in engine.module.named_parameters():
-        if plain:
-            state = engine.optimizer.state[param]
-            state["exp_avg"].copy_(moments[f"{name}.exp_avg"])
-            state["exp_avg_sq"].copy_(moments[f"{name}.exp_avg_sq"])
-        else:
-            deepspeed.utils.safe_set_full_fp32_param(param, weights[name].to(device))
-            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg"].to(device), "exp_avg")
-            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg_sq"].to(device), "exp_avg_sq")
-    for state in base_optimizer.state.values():
-        state["step"] = torch.full_like(state["step"], saved["adam_step"]) if torch.is_tensor(state["step"]) \
-            else saved["adam_step"]
-    engine.lr_scheduler.load_state_dict(saved["scheduler"])
-    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-        group["lr"] = lr
-
-
 def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, args: Args) -> None:
-    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: written to a temporary folder, flushed to disk,
-    renamed into place once complete, and only then named in `latest`. The one before it is kept, for a latest that
-    cannot be read. Every rank takes part (ZeRO gathers); rank 0 writes."""
+    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
+    EMA's weights), the iteration and the KL coefficient, written whole or not at all (plumbing.commit_checkpoint).
+    Every rank takes part (ZeRO gathers); rank 0 writes."""
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
     try:
         state = {"iteration": iteration, "kl_coef": kl_coef, "args": asdict(args),
-                 "actor": save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
-                 "critic": save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
+                 "actor": plumbing.save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
+                 "critic": plumbing.save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
         if ema is not None:
-            save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
+            plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
         if is_main:
-            write_json(os.path.join(path + ".tmp", "state.json"), state)
-            fsync_tree(path + ".tmp")
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(path + ".tmp", path)
-            with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
-                f.write(os.path.basename(path))
-            fsync_tree(checkpoint_dir)
-            os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
-            fsync_tree(checkpoint_dir)
-            keep = [os.path.basename(c) for c in complete_checkpoints(checkpoint_dir)[:2]]
-            for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
-                if old.startswith("iteration_") and old not in keep:
-                    shutil.rmtree(os.path.join(checkpoint_dir, old))
+            plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
+            plumbing.commit_checkpoint(path)
     except OSError as error:  # a full disk, a folder made read-only meanwhile
-        fail(f"cannot write the checkpoint {path!r} ({error}); the one before it, if any, can be resumed from")
-
+        plumbing.fail(f"cannot write the checkpoint {path!r} ({error}); the one before it, if any, can be resumed "
+                      "from")
 
 def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device) -> tuple[int, float]:
     """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
@@ -1352,52 +781,19 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
         if is_main:
             print(f"warning: cannot resume from {resume_dir} ({problem}); trying the checkpoint before it")
     else:
-        fail(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'resume')} reads whole; start a new run "
-             "with --overwrite")
+        plumbing.fail(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'resume')} reads whole; start a "
+                      "new run with --overwrite")
     state = read_state(resume_dir)
-    load_training_state(actor, os.path.join(resume_dir, "actor"), state["actor"], device)
-    load_training_state(critic, os.path.join(resume_dir, "critic"), state["critic"], device)
+    plumbing.load_training_state(actor, os.path.join(resume_dir, "actor"), state["actor"], device)
+    plumbing.load_training_state(critic, os.path.join(resume_dir, "critic"), state["critic"], device)
     if ema is not None:
-        load_weights(ema, safetensors.torch.load_file(os.path.join(resume_dir, "actor_ema", "model.safetensors")))
+        ema_weights = safetensors.torch.load_file(os.path.join(resume_dir, "actor_ema", "model.safetensors"))
+        plumbing.load_weights(ema, ema_weights)
     if is_main:
         left = args.num_iterations - state["iteration"]
         print(f"resumed from {resume_dir} at iteration {state['iteration']}; "
               + (f"{left} iterations left" if left else "no iteration left: saving the actor and the critic"))
     return state["iteration"], state["kl_coef"]
-
-
-def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
-    """The model as an ordinary Hugging Face folder: safetensors (state_dict, or the model's own), tokenizer and
-    training_run.json. Written in OUTPUT_DIR/.saving, flushed to disk, then moved into place file by file, so that a
-    run killed while saving leaves the earlier model whole; weight files of an earlier save that this one does not
-    write are removed, so that from_pretrained cannot mix them in. Under ZeRO-3 the caller gathers the weights."""
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        staging = os.path.join(output_dir, ".saving")
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
-        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        write_json(os.path.join(staging, RECORD), record)
-        fsync_tree(staging)
-        saved = os.listdir(staging)
-        for name in os.listdir(output_dir):
-            if name.startswith("model") and ".safetensors" in name and name not in saved:
-                os.remove(os.path.join(output_dir, name))
-        for name in sorted(saved, key=lambda name: name == RECORD):  # the record last: it says the folder is complete
-            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
-        os.rmdir(staging)
-        fsync_tree(output_dir)
-    except OSError as error:  # a full disk, a folder made read-only meanwhile
-        fail(f"cannot save the model to {output_dir!r} ({error}); its new files are in {output_dir}/.saving, if any")
-
-
-def save_engine_folder(engine, tokenizer, path: str, record: dict) -> None:
-    """An engine's model as a Hugging Face folder (save_model_folder), with any LoRA adapters merged into the weights
-    (merged_state_dict). Under ZeRO-3 the full weights are gathered first (every rank takes part; rank 0 writes)."""
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                           enabled=engine.zero_optimization_stage() == 3):
-        if dist.get_rank() == 0:
-            save_model_folder(engine.module, tokenizer, path, record, merged_state_dict(engine.module))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1407,16 +803,11 @@ def start_logging(run: dict, start_iteration: int, args: Args):
     """Rank 0's tensorboard writer and metrics.jsonl of the run, with the hyperparameters as a table. A resumed run
     continues its own logs: the events and metrics lines after its checkpoint are dropped."""
     run_dir = os.path.join("runs", run["run_name"])
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project_name, name=run["run_name"], config=asdict(args), sync_tensorboard=True)
-    writer = SummaryWriter(run_dir, purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-    continue_metrics_file(run["metrics_file"], start_iteration)
+    writer = plumbing.start_tensorboard(run["run_name"], args,
+                                        purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
+    plumbing.continue_metrics_file(run["metrics_file"], start_iteration)
     print(f"{args.num_iterations} iterations of {args.batch_size} episodes; logging to {run_dir}")
     return writer, open(run["metrics_file"], "a")
-
 
 def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each value (a scalar tensor) summed over all ranks, in one all_reduce, in float64."""
@@ -1424,13 +815,11 @@ def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
     dist.all_reduce(summed)
     return dict(zip(values, summed.tolist()))
 
-
 def new_update_sums(device) -> dict[str, torch.Tensor]:
     """Sums over this rank's in-mask tokens of every micro-batch of an iteration's update, for the token means."""
     return {name: torch.zeros((), dtype=torch.float64, device=device) for name in [
         "tokens", "pg_loss", "vf_loss", "approxkl", "clipfrac", "vf_clipfrac", "entropy", "ratio",
         "micro_batches", "ratio_means", "ratio_means_squared", "unsup_loss"]}
-
 
 @torch.no_grad()
 def add_update_sums(sums, new_logits, mask, pg_loss, vf_loss, pg_stats, vf_clipfrac, args: Args) -> None:
@@ -1446,7 +835,6 @@ def add_update_sums(sums, new_logits, mask, pg_loss, vf_loss, pg_stats, vf_clipf
         sums["micro_batches"] += 1
         sums["ratio_means"] += pg_stats["ratio"]
         sums["ratio_means_squared"] += pg_stats["ratio"] ** 2
-
 
 def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, iteration: int, times: dict,
                       args: Args) -> dict[str, float]:
@@ -1502,7 +890,6 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
             args.world_size * args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps)
     return metrics
 
-
 def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer, samples, args: Args) -> None:
     """Rank 0 writes an iteration's metrics to tensorboard and metrics.jsonl, prints a line, and every
     --sample-every iterations a table of a few prompts, responses and scores (samples: their token ids and scores)."""
@@ -1535,7 +922,6 @@ def hybrid_engine_config(args: Args) -> dict:
             "pin_parameters": not args.unpin_actor_parameters,
             "tp_gather_partition_size": args.tp_gather_partition_size}
 
-
 def add_lora(model, lora_dim: int, args: Args):
     """LoRA (Hu et al. 2021): beside each targeted linear layer W, a trainable low-rank update (alpha / r) B A, with
     B = 0 at the start so that the model is unchanged; peft builds the layers in place. The value head `score` stays
@@ -1546,7 +932,7 @@ def add_lora(model, lora_dim: int, args: Args):
     try:
         model = peft.inject_adapter_in_model(lora_config, model)  # freezes all but the adapters
     except ValueError as error:  # no module matches
-        fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}")
+        plumbing.fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}")
     if not args.only_optimize_lora:
         model.requires_grad_(True)  # DeepSpeed-Chat's default: the adapters train alongside the whole model
     return model
@@ -1568,12 +954,11 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights as a plain model's state dict, each LoRA adapter folded into the layer it adapts:
     W + (alpha / r) B A under W's own name (a model without adapters: its state dict as it is)."""
     state = {name.replace(".base_layer.", "."): value for name, value in model.state_dict().items()
-             if "lora_" not in name}
+                      if "lora_" not in name}
     for name, module in model.named_modules():
         if isinstance(module, peft.tuners.lora.LoraLayer):
             state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight("default")
     return state
-
 
 def init_ema(actor, args: Args):
     """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation only:
@@ -1587,7 +972,6 @@ def init_ema(actor, args: Args):
     update_ema(ema, actor, 0.0)
     return ema
 
-
 def update_ema(ema, actor, decay: float) -> None:
     """ema = decay * ema + (1 - decay) * actor for every parameter (rlhf_math.ema_update). Under ZeRO-3 each pair is
     gathered in turn and the EMA's new value written back to the ranks' partitions (modifier_rank)."""
@@ -1598,35 +982,35 @@ def update_ema(ema, actor, decay: float) -> None:
                     deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0, enabled=zero3):
                 ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, param.data.to(ema_param.dtype), decay))
 
-
 def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor:
     """The pretraining mix's plain text (InstructGPT's PPO-ptx), tokenized, joined with EOS between documents and cut
     into blocks as long as a rollout's sequences, as DeepSpeed-Chat's unsupervised data set does: [blocks, P + R]."""
-    text_data = load_split(args.unsup_dataset, "train", [args.unsup_text_column], "--unsup-dataset",
-                           args.unsup_dataset_config, (".txt", ".json", ".jsonl", ".parquet"))
+    text_data = plumbing.load_split(args.unsup_dataset, "train", [args.unsup_text_column], "--unsup-dataset",
+                                    args.unsup_dataset_config, (".txt", ".json", ".jsonl", ".parquet"))
     texts = [text for text in text_data[args.unsup_text_column] if isinstance(text, str) and text.strip()]
     token_stream = [t for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
                     for t in ids + [tokenizer.eos_token_id]]
     block_len = args.max_prompt_len + args.max_new_tokens
     num_blocks = len(token_stream) // block_len
     if num_blocks < args.per_device_train_batch_size:
-        fail(f"--unsup-dataset {args.unsup_dataset!r} holds {len(token_stream)} tokens, fewer than one "
-             f"micro-batch of {args.per_device_train_batch_size} blocks of {block_len}; give it more text")
+        plumbing.fail(f"--unsup-dataset {args.unsup_dataset!r} holds {len(token_stream)} tokens, fewer than one "
+                      f"micro-batch of {args.per_device_train_batch_size} blocks of {block_len}; give it more text")
     return torch.tensor(token_stream[: num_blocks * block_len]).view(num_blocks, block_len)
 
-
-def pretraining_loss(actor, unsup_blocks: torch.Tensor, update_sums: dict, iteration: int, args: Args):
+def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict, iteration: int, args: Args):
     """The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain [log pi(x)], so the
     actor's loss adds gamma times the language-modelling loss of a micro-batch of plain-text blocks, in the same
-    backward pass and optimizer step. Returns that loss (before gamma) and adds it to the update's sums."""
+    backward pass and optimizer step. Returns gamma times that loss (0 without --unsup-dataset: unsup_blocks None)
+    and adds the loss to the update's sums."""
+    if unsup_blocks is None:
+        return 0.0
     blocks = unsup_blocks[torch.randint(len(unsup_blocks), (args.per_device_train_batch_size,))]
     blocks = blocks.to(actor.device)
     unsup_loss = actor.module(input_ids=blocks, labels=blocks, use_cache=False).loss
     if not torch.isfinite(unsup_loss):
-        fail(f"iteration {iteration}: loss/unsup_avg is {unsup_loss.item()}; lower the learning rates")
+        plumbing.fail(f"iteration {iteration}: loss/unsup_avg is {unsup_loss.item()}; lower the learning rates")
     update_sums["unsup_loss"] += unsup_loss.detach()
-    return unsup_loss
-
+    return args.unsup_coef * unsup_loss
 
 def found_overflow(engine) -> bool:
     """Whether this accumulation's fp16 gradients hold inf or NaN, the way the engine's optimizer will see it in
@@ -1674,42 +1058,39 @@ def aligned_overflow(actor, critic, enabled: bool):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
-    device = set_up_distributed(args)
+    device = plumbing.init_distributed(args.dtype)
+    args.local_rank, args.world_size = int(os.environ["LOCAL_RANK"]), dist.get_world_size()
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
-    stop_on_signals()
 
     # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's
     # share into num_mini_batches optimizer steps of gradient_accumulation_steps forward passes each.
     args.batch_size = args.per_device_rollout_batch_size * args.world_size
-    args.num_iterations = exact_div(args.total_episodes, args.batch_size, "--total-episodes / (rollout batch x ranks)")
-    args.per_device_mini_batch_size = exact_div(
-        args.per_device_rollout_batch_size, args.num_mini_batches, "--per-device-rollout-batch-size / --num-mini-batches")
-    args.gradient_accumulation_steps = exact_div(
+    args.num_iterations = plumbing.exact_div(args.total_episodes, args.batch_size,
+                                             "--total-episodes / (rollout batch x ranks)")
+    args.per_device_mini_batch_size = plumbing.exact_div(args.per_device_rollout_batch_size, args.num_mini_batches,
+                                                         "--per-device-rollout-batch-size / --num-mini-batches")
+    args.gradient_accumulation_steps = plumbing.exact_div(
         args.per_device_mini_batch_size, args.per_device_train_batch_size,
         "rollout batch per mini-batch / --per-device-train-batch-size")
 
     # The output folder, checked, locked and claimed before anything loads, and the run: a new one, or the one that
     # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
-    run = on_rank_0(lambda: start_run(args))
+    run = plumbing.on_rank_0(lambda: start_run(args))
     saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
     tokenizer, reward_tokenizer, critic_path = check_models(args, is_main)
-    prompts = load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len, is_main,
-                           args.assistant_marker if args.split_conversations else None)
+    prompts = plumbing.load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len,
+                                    is_main, args.assistant_marker if args.split_conversations else None)
     if len(prompts) < args.batch_size:
-        fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
-             "raise --max-prompt-len or lower --per-device-rollout-batch-size")
+        plumbing.fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
+                      "raise --max-prompt-len or lower --per-device-rollout-batch-size")
     unsup_blocks = load_pretraining_blocks(tokenizer, args) if args.unsup_dataset is not None else None
 
     torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
     actor, reference, critic, reward, ema = build_engines(args, critic_path)
-    # Reward normalization (Ziegler et al. 2019): reward_model.py stored the mean and standard deviation of its scores
-    # on the SFT policy's responses; (score - reward_mean) / reward_std has mean 0 and std 1 where PPO starts. The
-    # critic starts as a copy of the reward model, so its outputs are mapped the same way, with its own config's values.
-    reward_mean = getattr(reward.module.config, "reward_mean", 0.0)
-    reward_std = getattr(reward.module.config, "reward_std", 1.0)
-    critic_mean = getattr(critic.module.config, "reward_mean", 0.0)
-    critic_std = getattr(critic.module.config, "reward_std", 1.0)
+    # Reward normalization (Ziegler et al. 2019): (score - reward_mean) / reward_std has mean 0 and std 1 where PPO
+    # starts. The critic starts as a copy of the reward model: its outputs are mapped the same way, by its own config.
+    reward_mean, reward_std = score_normalization(reward.module.config)
+    critic_mean, critic_std = score_normalization(critic.module.config)
     if is_main and not hasattr(reward.module.config, "reward_std"):
         print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
               "are used unnormalized")
@@ -1722,6 +1103,7 @@ if __name__ == "__main__":
     writer, metrics_file = start_logging(run, start_iteration, args) if is_main else (None, None)
     # Under ZeRO-3, each model's weights are gathered once per rollout (gathered); the hybrid engine gathers its own.
     gather_actor = args.gather_weights_for_rollout and not args.enable_hybrid_engine
+    micro_batch = args.per_device_train_batch_size  # rows per forward pass, in the rollout's scoring and the update
     last_valid_rollout = None
     start_time = time.time()
     for iteration in range(start_iteration, args.num_iterations):
@@ -1748,21 +1130,19 @@ if __name__ == "__main__":
                 contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
                 # 3. Log-probs and values, one model at a time, in micro-batches: log pi_theta(a_t|s_t) and
                 # log pi_ref(a_t|s_t) at the sampling temperature, and V(s_t) from the token before a_t.
-                chunks = [slice(i, i + args.per_device_train_batch_size)
-                          for i in range(0, len(sequences), args.per_device_train_batch_size)]
-                logprobs = torch.cat([response_logprobs(actor.module, sequences[c], attention_mask[c], P,
-                                                        args.temperature) for c in chunks])
+                logprobs = in_micro_batches(response_logprobs, micro_batch, actor.module, sequences, attention_mask,
+                                            P, args.temperature)
             with gathered(reference, args.gather_weights_for_rollout), adapters_disabled(reference.module):
-                ref_logprobs = torch.cat([response_logprobs(reference.module, sequences[c], attention_mask[c], P,
-                                                            args.temperature) for c in chunks])
+                ref_logprobs = in_micro_batches(response_logprobs, micro_batch, reference.module, sequences,
+                                                attention_mask, P, args.temperature)
             with gathered(critic, args.gather_weights_for_rollout):
-                values = torch.cat([critic_values(critic.module, sequences[c], attention_mask[c], P, critic_mean,
-                                                  critic_std) for c in chunks])
+                values = in_micro_batches(critic_values, micro_batch, critic.module, sequences, attention_mask, P,
+                                          critic_mean, critic_std)
             # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
             # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std, in the reward model's tokens.
             with gathered(reward, args.gather_weights_for_rollout):
-                scores = torch.cat([reward_scores(reward.module, *reward_model_inputs(sequences[c], attention_mask[c], P,
-                                    tokenizer, reward_tokenizer), reward_mean, reward_std) for c in chunks])
+                scores = in_micro_batches(reward_scores, micro_batch, reward.module, sequences, attention_mask, P,
+                                          reward_mean, reward_std, tokenizer, reward_tokenizer)
             # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
             if args.missing_eos_penalty is not None:
                 scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
@@ -1779,16 +1159,17 @@ if __name__ == "__main__":
             if args.whiten_rewards:
                 rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False,
                                                   stats=batch_mean_var(rewards, update_mask, args.whiten_across_ranks))
-            advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma, args.lam)
+            advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma,
+                                                                       args.lam)
             if args.whiten_advantages:
                 advantages = rlhf_math.masked_whiten(
                     advantages, update_mask, stats=batch_mean_var(advantages, update_mask, args.whiten_across_ranks))
             rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
                            advantages=advantages, returns=returns, mask=update_mask)
-            reused = not valid.any()  # nothing to learn from: DeepSpeed-Chat trains on the last valid batch again
-            if reused:
-                rollout, P = reuse_last_valid_rollout(last_valid_rollout, iteration, rank, args)
-            last_valid_rollout = (rollout, P)
+            # The update's batch: this rollout, or if none of its responses is valid the last valid one (its own P).
+            last_valid_rollout = (rollout, P) if valid.any() else reuse_last_valid_rollout(last_valid_rollout,
+                                                                                           iteration, rank, args)
+            batch, batch_P = last_valid_rollout
         rollout_time = time.time() - rollout_start
 
         # UPDATE: num_ppo_epochs passes; each splits the batch into num_mini_batches optimizer steps of micro-batches.
@@ -1796,28 +1177,29 @@ if __name__ == "__main__":
         lr = actor.get_lr()[0]  # the rate of this iteration's first step
         update_sums = new_update_sums(device)
         for epoch in range(args.num_ppo_epochs):
-            mini_batches = torch.randperm(len(rollout["mask"]), device=device).split(args.per_device_mini_batch_size)
-            mini_batch_tokens = tokens_per_mini_batch(rollout["mask"], mini_batches)
+            mini_batches = torch.randperm(len(batch["mask"]), device=device).split(args.per_device_mini_batch_size)
+            mini_batch_tokens = tokens_per_mini_batch(batch["mask"], mini_batches)
             for mini_batch_index, mini_batch in enumerate(mini_batches):
-                for micro_batch in mini_batch.split(args.per_device_train_batch_size):
-                    mb = {k: v[micro_batch] for k, v in rollout.items()}
-                    new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], P)
-                    new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, P:], args.temperature)
+                for micro_batch_rows in mini_batch.split(micro_batch):
+                    mb = {k: v[micro_batch_rows] for k, v in batch.items()}
+                    # The policy's and the value function's new outputs on the rollout's sequences.
+                    new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], batch_P)
+                    new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, batch_P:],
+                                                                  args.temperature)
+                    new_values = critic_values(critic.module, mb["sequences"], mb["attention_mask"], batch_P,
+                                               critic_mean, critic_std)
+                    # PPO's clipped surrogate objective and clipped value loss.
                     pg_loss, pg_stats = rlhf_math.policy_loss(
                         new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
-                    new_values = critic_values(critic.module, mb["sequences"], mb["attention_mask"], P, critic_mean,
-                                               critic_std)
                     vf_loss, vf_clipfrac = rlhf_math.value_loss(
                         new_values, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
-                    if epoch == 0 and mini_batch_index == 0 and not reused:  # before the first optimizer step
-                        check_first_ratio(new_logprobs, mb["logprobs"], mb["mask"], iteration, args)
-                    check_finite_losses(pg_loss, vf_loss, iteration)
+                    first_step = epoch == 0 and mini_batch_index == 0 and batch is rollout
+                    check_update(new_logprobs, mb, pg_loss, vf_loss, first_step, iteration, args)
+                    # Backward: each loss weighed by its micro-batch's share of the tokens; the actor's with PPO-ptx's
+                    # gamma * language-modelling loss when --unsup-dataset is set.
                     weight = loss_weight(mb["mask"], mini_batch_tokens[mini_batch_index], args)
-                    actor_loss = weight * pg_loss
-                    if unsup_blocks is not None:  # InstructGPT's PPO-ptx: + gamma * the language-modelling loss
-                        actor_loss = actor_loss + args.unsup_coef * pretraining_loss(actor, unsup_blocks, update_sums,
-                                                                                     iteration, args)
-                    actor.backward(actor_loss)
+                    ptx_loss = pretraining_loss(actor, unsup_blocks, update_sums, iteration, args)
+                    actor.backward(weight * pg_loss + ptx_loss)
                     critic.backward(weight * vf_loss)
                     with aligned_overflow(actor, critic, args.align_overflow):
                         actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
@@ -1833,15 +1215,14 @@ if __name__ == "__main__":
         times = {"eps": (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time),
                  "time/rollout": rollout_time, "time/generation": generation_time, "time/update": update_time}
         metrics = iteration_metrics(update_sums, rollout_stats, kl_coef, lr, iteration, times, args)
-        if args.target_kl is not None and metrics["val/num_invalid"] < args.batch_size:
-            # Ziegler et al.'s adaptive controller: beta grows when the KL overshoots the target, shrinks below it.
-            kl_coef = rlhf_math.adaptive_kl_coef(kl_coef, metrics["objective/kl"], args.target_kl, args.kl_horizon,
-                                                 args.batch_size)
         if is_main:
             log_iteration(metrics, iteration, writer, metrics_file, tokenizer, (prompt_ids, responses, scores), args)
+        if args.target_kl is not None:  # Ziegler et al.'s adaptive KL controller
+            kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)
         if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
             snapshot = os.path.join(args.output_dir, "snapshots", f"iteration_{iteration + 1}")
-            save_engine_folder(actor, tokenizer, snapshot, {**saved_by, "iteration": iteration + 1, "finished": False})
+            plumbing.save_engine_folder(actor, tokenizer, snapshot, {**saved_by, "iteration": iteration + 1,
+                                                                     "finished": False}, merged_state_dict)
         if args.save_every and (iteration + 1) % args.save_every == 0:
             save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, args)
 
@@ -1849,9 +1230,11 @@ if __name__ == "__main__":
     record = {**saved_by, "iteration": args.num_iterations, "finished": True}
     for name, engine in [("actor", actor), ("critic", critic), ("actor_ema", ema)]:
         if engine is not None:
-            save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record)
+            plumbing.save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record,
+                                        merged_state_dict)
     if is_main:
-        write_json(os.path.join(args.output_dir, RECORD), {**read_record(args.output_dir), "finished": True})
+        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
+                            {**plumbing.read_record(args.output_dir), "finished": True})
         print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
               f"in {time.time() - start_time:.0f}s")
         metrics_file.close()

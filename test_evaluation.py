@@ -5,6 +5,7 @@ training run's metrics, in-process (no model is loaded)."""
 import json
 import math
 import os
+import sys
 
 import datasets
 import pytest
@@ -12,6 +13,7 @@ import torch
 import tyro
 
 import evaluate
+import plumbing
 from evaluate import Args, spearman, win_rate
 from toy_task.gold_judge import gold_score, parse_response
 
@@ -79,8 +81,10 @@ def test_spearman_by_hand():
 
 
 def stops_with(function, *args) -> str:
-    """The one-line message that function(*args) stops with."""
-    with pytest.raises(SystemExit) as stop:
+    """The one-line message that function(*args) stops with, as evaluate.py (plumbing.fail names the running script:
+    under pytest, sys.argv[0] is pytest's)."""
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as stop:
+        patch.setattr(sys, "argv", ["evaluate.py"])
         function(*args)
     message = str(stop.value)
     assert message.startswith("evaluate.py: error: ") and "\n" not in message, message
@@ -130,8 +134,8 @@ def test_output_dir_that_cannot_be_written_is_refused(output_dir):
 @pytest.mark.parametrize("value, problem", [(None, "empty (null)"), (["a"], "a value of type list, not text"), ("  ", "empty text")])
 def test_a_bad_prompt_cell_is_named_by_row_and_column(value, problem):
     rows = [{"prompt": "fine"}, {"prompt": value}]
-    assert evaluate.text_of(rows[0], 0, "prompt", "test") == "fine"
-    assert f"row 1 of split 'test', column 'prompt': {problem}" in stops_with(evaluate.text_of, rows[1], 1, "prompt",
+    assert plumbing.text_of(rows[0], 0, "prompt", "test") == "fine"
+    assert f"row 1 of split 'test', column 'prompt': {problem}" in stops_with(plumbing.text_of, rows[1], 1, "prompt",
                                                                              "test")
 
 
@@ -143,14 +147,14 @@ def test_a_malformed_or_latin_1_data_file_stops_with_one_line(tmp_path, monkeypa
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # not the user's cache
     path = tmp_path / "data.jsonl"
     path.write_bytes(content)
-    assert message in stops_with(evaluate.load_split, str(path), "test", ["prompt"])
+    assert message in stops_with(plumbing.load_split, str(path), "test", ["prompt"])
 
 
 def test_non_finite_weights_are_refused():
     model = torch.nn.Linear(2, 2)
     with torch.no_grad():
         model.bias[1] = float("nan")
-    assert "not finite (inf or nan) in 1 tensors (bias)" in stops_with(evaluate.check_finite_weights, model, "model")
+    assert "not finite (inf or nan) in 1 tensors (bias)" in stops_with(plumbing.check_finite_weights, model, "model")
 
 
 def metrics_row(iteration: int, score: float) -> str:
@@ -178,7 +182,7 @@ def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys)
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None
     assert "has no training_run.json" in capsys.readouterr().out
     record = {"script": "ppo.py", "run_name": "ppo__1__2", "metrics_file": str(metrics), "finished": True}
-    (actor / evaluate.RECORD).write_text(json.dumps(record))
+    (actor / plumbing.RECORD).write_text(json.dumps(record))
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None  # named, but not there (yet)
     assert "does not exist" in capsys.readouterr().out
     metrics.write_text(metrics_row(1, 0.1) + "\n")

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -23,13 +22,15 @@ import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import benchmark
+import plumbing
 import ppo
 import rlhf_math
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
-from test_sft_and_reward_model import (ENV, FEW_STEPS, bad, check_errors, check_stops,  # noqa: F401
-                                       free_port, launcher, processes_with, run, run_in_process)
+from test_plumbing import bad, check_stops  # noqa: F401
+from test_sft_and_reward_model import (ENV, FEW_STEPS, check_errors, free_port, launcher, processes_with, run,
+                                       run_in_process)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
@@ -244,7 +245,7 @@ def run_metrics(out):
     """The metrics.jsonl lines of the run in `out` (its one file, across resumes); a line cut short by a kill is
     skipped."""
     lines = []
-    for line in open(ppo.read_record(str(out))["metrics_file"]):
+    for line in open(plumbing.read_record(str(out))["metrics_file"]):
         try:
             lines.append(json.loads(line))
         except ValueError:
@@ -328,12 +329,14 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
         straight, resumed = saved_weights(tmp_path / "straight" / folder), saved_weights(out / folder)
         for name in straight:
             torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-5)
-    shutil.rmtree(os.path.dirname(ppo.read_record(str(out))["metrics_file"]))
+    shutil.rmtree(os.path.dirname(plumbing.read_record(str(out))["metrics_file"]))
 
 
-def test_resume_continues_only_the_run_it_claims(tmp_path):
+def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     """--resume continues the unfinished run of its output folder with its settings; a new run never silently takes
-    the place of an unfinished one. (In-process: start_run only reads and writes files.)"""
+    the place of an unfinished one. (In-process: start_run only reads and writes files. The output folder is claimed
+    for the running script, sys.argv[0]: here ppo.py.)"""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
     out = tmp_path / "out"
     args = ppo.Args(output_dir=str(out), exp_name="test_start_run", save_every=2, world_size=1, batch_size=64)
 
@@ -342,10 +345,10 @@ def test_resume_continues_only_the_run_it_claims(tmp_path):
         return ppo.start_run(dataclasses.replace(args, **changes))
 
     first = start()
-    record = ppo.read_record(str(out))
+    record = plumbing.read_record(str(out))
     assert record["run_name"] == first["run_name"] and not record["finished"] and first["checkpoints"] == []
     (out / "resume" / "iteration_2").mkdir(parents=True)  # a checkpoint as ppo.py writes it (its state.json here)
-    ppo.write_json(str(out / "resume" / "iteration_2" / "state.json"),
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"),
                    {"iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args)})
     (out / "resume" / "latest").write_text("iteration_2")
     check_stops([
@@ -360,9 +363,9 @@ def test_resume_continues_only_the_run_it_claims(tmp_path):
     resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3)  # settings that may change
     assert resumed == {"run_name": first["run_name"], "metrics_file": first["metrics_file"],
                        "checkpoints": [str(out / "resume" / "iteration_2")]}
-    ppo.write_json(str(out / "training_run.json"), {**ppo.read_record(str(out)), "finished": True})
+    plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": True})
     check_stops([(lambda: start(resume=True), "has finished all its iterations; nothing to resume")])
-    ppo.write_json(str(out / "training_run.json"), {**ppo.read_record(str(out)), "finished": False})
+    plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": False})
     second = start(overwrite=True)  # a new run in its place: the old checkpoints go
     assert second["checkpoints"] == [] and not (out / "resume").exists()
     # Every setting that may change is named in --resume's help.
@@ -444,26 +447,7 @@ def test_ppo_bad_input(stages, bad, tmp_path, capsys):
         ({"align_overflow": True}, "--align-overflow is for --dtype fp16"),
         ({"inference_tp_size": 2}, "--inference-tp-size above 1 needs --enable-hybrid-engine"),
     ]])
-    check_stops([
-        (lambda: ppo.load_split(str(bad / "data.csv"), "train", ["prompt"]),
-         "data.csv' is not a .json, .jsonl or .parquet file"),
-        (lambda: ppo.load_split("toy_task/data", "train", ["promt"]),
-         "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
-        (lambda: ppo.load_split("toy_task/data", "validation", ["prompt"]),
-         "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
-        (lambda: ppo.load_split(str(tmp_path / "missing.txt"), "train", ["text"], "--unsup-dataset",
-                                extensions=(".txt", ".json", ".jsonl", ".parquet")),
-         "no data set at"),
-        (lambda: ppo.load_split(str(bad / "data.csv"), "train", ["text"], "--unsup-dataset",
-                                extensions=(".txt", ".json", ".jsonl", ".parquet")),
-         "is not a .txt, .json, .jsonl or .parquet file"),
-        (lambda: ppo.check_model_folder(str(bad / "empty_folder"), "run sft.py first or check --actor-model-name-or-path"),
-         "holds no model (no config.json); run sft.py first or check --actor-model-name-or-path"),
-        (lambda: ppo.check_model_folder(str(bad / "pickle_only"), "check --reward-model-name-or-path"),
-         "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
-        (lambda: ppo.check_model_folder(str(tmp_path / "missing"), "check --reward-model-name-or-path"),
-         "no model folder at"),
-    ])
+    # (A wrong data file or model folder alone, through plumbing's load_split and check_model_folder: test_plumbing.py.)
     check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16"], [
         (["--total-episodes", "20"], "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8"),
         (["--max-new-tokens", "200"], "--max-new-tokens 200 is longer than the model's 128 positions"),
@@ -490,7 +474,7 @@ def test_evaluate(stages, tmp_path):
     out = tmp_path / "ppo"
     _, exp_name = run_ppo(stages, out, "--total-episodes", "16", "--snapshot-every", "1")
     assert sorted(os.listdir(out / "snapshots")) == ["iteration_1", "iteration_2"]
-    metrics_file = ppo.read_record(str(out / "actor"))["metrics_file"]  # the run that trained this actor
+    metrics_file = plumbing.read_record(str(out / "actor"))["metrics_file"]  # the run that trained this actor
     sft = tmp_path / "sft"  # the SFT model, with a generation config that evaluate.py must not apply
     shutil.copytree(stages[1], sft)
     write_surprising_generation_config(sft)
@@ -638,7 +622,8 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     adapter_logprobs = logprobs(model)
     with ppo.adapters_disabled(model):
         assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
-    ppo.save_model_folder(model, tokenizer, str(tmp_path / "merged"), {"script": "ppo.py"}, ppo.merged_state_dict(model))
+    plumbing.save_model_folder(model, tokenizer, str(tmp_path / "merged"), {"script": "ppo.py"},
+                               ppo.merged_state_dict(model))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
@@ -775,16 +760,3 @@ def test_gathered_rollout_weights_are_whole_and_hooks_come_back(tmp_path):
                             env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-2:] == ["trained=False: ok", "trained=True: ok"], result.stdout[-2000:]
-
-
-def test_new_threads_take_one_openmp_thread():
-    """ppo.one_openmp_thread_for_new_threads, which relies on how torch gives each thread its OpenMP count: after it,
-    a thread started later (as gloo's, which run the collectives) works on one OpenMP thread, and the calling thread
-    keeps its count."""
-    counts = []
-    main_count = torch.get_num_threads()
-    ppo.one_openmp_thread_for_new_threads()
-    thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert counts == [1] and torch.get_num_threads() == main_count

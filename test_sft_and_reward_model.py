@@ -9,7 +9,6 @@ import json
 import math
 import os
 import runpy
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,15 +18,16 @@ import time
 import pytest
 import torch
 import tyro
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import evaluate
+import plumbing
 import ppo
 import reward_model
 import sft
+# bad is a pytest fixture, used by name
+from test_plumbing import BASE_MODEL, bad, check_stops  # noqa: F401
 
-BASE_MODEL = "toy_task/base_model"
 # A few optimizer steps: datasets' split slicing keeps the runs short without a flag of our own.
 FEW_STEPS = ["--train-split", "train[:64]", "--eval-split", "test[:32]", "--per-device-train-batch-size", "8"]
 # Quiet, and one thread per rank: 2 ranks share this machine's 2 cores.
@@ -167,36 +167,6 @@ def test_reward_model_two_ranks_zero3(sft_checkpoint, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input: a one-line error that names what to fix, before any training
 # ---------------------------------------------------------------------------------------------------------------
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def bad(tmp_path_factory):
-    """The wrong files and folders a new user points the scripts at."""
-    root = tmp_path_factory.mktemp("bad")
-    (root / "empty_folder").mkdir()
-    shutil.copytree(BASE_MODEL, root / "no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
-    shutil.copytree(BASE_MODEL, root / "pickle_only", ignore=shutil.ignore_patterns("*.safetensors"))
-    torch.save(load_file(f"{BASE_MODEL}/model.safetensors"), root / "pickle_only" / "pytorch_model.bin")
-    row = {"prompt": "A fine film, and", "chosen": " good.", "rejected": " bad."}
-    write_jsonl(root / "empty_prompt.jsonl", [row, {**row, "prompt": "  "}])
-    write_jsonl(root / "empty_rejected.jsonl", [row, {**row, "rejected": ""}])
-    (root / "data.csv").write_text("prompt,chosen,rejected\nA fine film, and,good.,bad.\n")
-    (root / "broken.jsonl").write_text('{"prompt": "A fine film, and", "chosen": " good."}\n{"prompt": "A film", "chosen"\n')
-    (root / "empty.jsonl").write_text("")
-    (root / "a_file").write_text("not a folder")
-    (root / "latin1.jsonl").write_bytes('{"prompt": "Un café, and", "chosen": " good."}\n'.encode("latin-1"))
-    shutil.copytree(BASE_MODEL, root / "nan_weights")
-    weights = load_file(f"{BASE_MODEL}/model.safetensors")
-    weights[sorted(weights)[-1]].view(-1)[0] = float("nan")
-    save_file(weights, root / "nan_weights" / "model.safetensors", metadata={"format": "pt"})
-    return root
-
-
 def run_in_process(script, argv, must_stop=True):
     """`python script argv` run in this process (runpy), as its __main__, to the error it must stop with (or, with
     must_stop=False, to its end): no process start per run. Returns the message of the SystemExit it raised (None
@@ -234,44 +204,18 @@ def check_errors(script, flags, cases, out):
             assert message in error, (case_flags, error)
 
 
-def check_stops(cases):
-    """Each (call, message): calling one of a script's own checks stops it with that one-line message (its fail()
-    raises SystemExit with the message, which Python prints without a stack trace). In-process, so that the many
-    cases cost no process start each; check_errors runs a few of them as a user would, to show main calls them."""
-    for call, message in cases:
-        with pytest.raises(SystemExit) as stop:
-            call()
-        assert message in str(stop.value), (message, str(stop.value))
-
-
 def test_sft_bad_input(bad, tmp_path, capsys):
+    """sft.py's own checks, and its wiring of plumbing's (a wrong data file or model folder alone:
+    test_plumbing.py)."""
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
-    one_file = sft.load_split(str(bad / "empty_prompt.jsonl"), "train", ["prompt", "chosen"])
+    one_file = plumbing.load_split(str(bad / "empty_prompt.jsonl"), "train", ["prompt", "chosen"])
     check_stops([
-        (lambda: sft.load_split("toy_task/data", "train[:64]", ["prompt", "answer"]), "has no column ['answer']"),
-        (lambda: sft.load_split(str(bad / "nothing"), "train", ["prompt"]),
-         f"no data set at '{bad}/nothing'; check --dataset"),
-        (lambda: sft.load_split(str(bad / "data.csv"), "train", ["prompt"]),
-         "data.csv' is not a .json, .jsonl or .parquet file"),
-        (lambda: sft.load_split(str(bad / "broken.jsonl"), "train", ["prompt"]),
-         "line 2 of '" + str(bad / "broken.jsonl") + "' is not valid JSON (Expecting ':' delimiter"),
-        (lambda: sft.load_split(str(bad / "empty.jsonl"), "train", ["prompt"]), "empty.jsonl' is an empty file"),
-        (lambda: sft.load_split(str(bad / "latin1.jsonl"), "train", ["prompt"]), "split 'train' is not UTF-8 text"),
-        (lambda: sft.load_split("toy_task/data", "dev", ["prompt"]),
-         "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
         (lambda: sft.tokenize_demonstrations(one_file, tokenizer, sft.Args(), "train"),
          "row 1 of split 'train', column 'prompt': empty text; fix or remove the row"),
         # One file is every split, and a slice of it works; here no row of it fits.
-        (lambda: sft.tokenize_demonstrations(sft.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
+        (lambda: sft.tokenize_demonstrations(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
                                              tokenizer, sft.Args(max_seq_len=4), "train[:64]"),
          "no row of split 'train[:64]' fits --max-seq-len 4"),
-        (lambda: sft.check_model_folder(str(bad / "nothing"), "check --model-name-or-path"), "no model folder at"),
-        (lambda: sft.check_model_folder(str(bad / "empty_folder"), "check --model-name-or-path"),
-         "empty_folder' holds no model (no config.json)"),
-        (lambda: sft.check_model_folder(str(bad / "no_weights"), "check --model-name-or-path"),
-         "no_weights' has no model weights (model.safetensors)"),
-        (lambda: sft.load_tokenizer(str(bad / "empty_folder"), "check --tokenizer-name-or-path", False),
-         "cannot load a tokenizer from"),
         (lambda: sft.check_args(sft.Args(learning_rate=-1.0)), "--learning-rate must be positive, not -1.0"),
         (lambda: sft.check_args(sft.Args(num_train_epochs=0)), "--num-train-epochs must be at least 1, not 0"),
         (lambda: sft.check_args(sft.Args(learning_rate=float("inf"))), "--learning-rate must be a finite number"),
@@ -298,15 +242,9 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
     columns = ["prompt", "chosen", "rejected"]
     check_stops([
-        (lambda: reward_model.load_split(str(bad / "data.csv"), "train", columns),
-         "data.csv' is not a .json, .jsonl or .parquet file"),
-        (lambda: reward_model.tokenize_pairs(reward_model.load_split(str(bad / "empty_rejected.jsonl"), "train",
-                                                                     columns), tokenizer, reward_model.Args(), "train"),
+        (lambda: reward_model.tokenize_pairs(plumbing.load_split(str(bad / "empty_rejected.jsonl"), "train", columns),
+                                             tokenizer, reward_model.Args(), "train"),
          "row 1 of split 'train', column 'rejected': empty text; fix or remove the row"),
-        (lambda: reward_model.check_model_folder(str(bad / "nothing"), "check --model-name-or-path"),
-         "no model folder at"),
-        (lambda: reward_model.check_model_folder(str(bad / "empty_folder"), "check --model-name-or-path"),
-         "holds no model (no config.json)"),
         (lambda: reward_model.check_args(reward_model.Args(gradient_accumulation_steps=0)),
          "--gradient-accumulation-steps must be at least 1, not 0"),
         (lambda: reward_model.check_args(reward_model.Args(normalization_samples=1)),
@@ -351,47 +289,9 @@ def test_tokenizer_without_pad_token_gets_one(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reliability: the user's folders, one run per folder, ranks that outlive their launcher, damaged or misnamed
-# weights, data cells that are not text or that spell a special token. The functions are the same in every stage.
+# Reliability: ranks that outlive their launcher, text that spells a special token. (The user's folders, one run
+# per folder, damaged or misnamed weights, data cells that are not text: plumbing's, in test_plumbing.py.)
 # ---------------------------------------------------------------------------------------------------------------
-def test_an_output_folder_is_never_destroyed(tmp_path):
-    notes = tmp_path / "notes"
-    notes.mkdir()
-    (notes / "notes.txt").write_text("mine")
-    check_stops([
-        (lambda: sft.claim_output_dir(".", {"--dataset": "toy_task/data"}, True),
-         "--output-dir '.' is or holds --dataset 'toy_task/data', which this run reads"),
-        (lambda: reward_model.claim_output_dir("toy_task/base_model", {"--model-name-or-path": "toy_task/base_model"},
-                                               True), "is or holds --model-name-or-path"),
-        (lambda: sft.claim_output_dir(str(notes), {}, False),
-         "is not empty and holds no earlier output of sft.py; name a new or empty folder, or pass --overwrite"),
-        (lambda: sft.claim_output_dir("/proc/x", {}, False), "cannot write to --output-dir '/proc/x'"),
-    ])
-    assert os.listdir(notes) == ["notes.txt"]
-    # With --overwrite the model is written beside the user's file, and a stale weights file of another layout (here a
-    # shard of an earlier save) goes, so that from_pretrained cannot mix it in.
-    (notes / "model-00001-of-00002.safetensors").write_text("stale")
-    sft.claim_output_dir(str(notes), {}, True)
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
-    sft.save_model_folder(model, tokenizer, str(notes), {"script": "sft.py", "finished": True})
-    assert (notes / "notes.txt").read_text() == "mine" and not (notes / "model-00001-of-00002.safetensors").exists()
-    assert not (notes / ".saving").exists() and sft.read_record(str(notes))["finished"]
-    AutoModelForCausalLM.from_pretrained(notes)
-    # One run per folder: while the lock's holder (this process) lives, another run is refused; the folder now holds
-    # an output of sft.py, which reward_model.py does not replace.
-    check_stops([
-        (lambda: sft.claim_output_dir(str(notes), {}, False),
-         f"is in use by another run (pid {os.getpid()} on {socket.gethostname()})"),
-        (lambda: reward_model.claim_output_dir(str(notes), {}, False), "holds no earlier output of reward_model.py"),
-    ])
-    # A lock left by a run that was killed is taken over.
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    (notes / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")
-    sft.claim_output_dir(str(notes), {}, False)
-    assert (notes / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
-
-
 def test_every_rank_stops_when_one_dies(tmp_path):
     """Rank 1 killed in the middle of training: rank 0 and the launcher end within seconds, not at a collective's
     half-hour timeout. (A killed launcher is test_ppo's kill-and-resume test.)"""
@@ -424,7 +324,7 @@ def processes_with(text):
     return found
 
 
-def test_data_cells_that_are_not_text_and_text_that_spells_a_special_token():
+def test_text_that_spells_a_special_token_stays_text():
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
     eos = tokenizer.eos_token  # "<|endoftext|>", as a web page about tokenizers may well contain
     rows = [{"prompt": f"A film about {eos} and", "chosen": f" good {eos} fun.", "rejected": " bad."}]
@@ -433,41 +333,6 @@ def test_data_cells_that_are_not_text_and_text_that_spells_a_special_token():
     for ids in [example["input_ids"], pair["chosen"], pair["rejected"]]:
         assert ids.count(tokenizer.eos_token_id) == 1 and ids[-1] == tokenizer.eos_token_id  # only the one appended
     assert tokenizer.decode(example["input_ids"][:-1]).count(eos) == 2  # the text is still there, as text
-    check_stops([
-        (lambda: sft.text_of({"prompt": None}, 3, "prompt", "train"),
-         "row 3 of split 'train', column 'prompt': empty (null); fix or remove the row"),
-        (lambda: sft.text_of({"prompt": [{"role": "user", "content": "hi"}]}, 4, "prompt", "train"),
-         "row 4 of split 'train', column 'prompt': a value of type list, not text"),
-        (lambda: reward_model.text_of({"chosen": 5}, 0, "chosen", "test"),
-         "row 0 of split 'test', column 'chosen': a value of type int, not text"),
-    ])
-
-
-def test_damaged_misnamed_or_mistyped_weights_are_refused(bad, tmp_path):
-    # A reward model whose score head was saved under another name would load with a random head.
-    renamed = tmp_path / "renamed_head"
-    AutoModelForSequenceClassification.from_pretrained(BASE_MODEL, num_labels=1).save_pretrained(renamed)
-    weights = load_file(renamed / "model.safetensors")
-    weights["value_head.weight"] = weights.pop("score.weight")
-    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
-    truncated = tmp_path / "truncated"
-    shutil.copytree(BASE_MODEL, truncated)
-    data = (truncated / "model.safetensors").read_bytes()
-    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
-    nan_model = AutoModelForCausalLM.from_pretrained(bad / "nan_weights")
-    check_stops([
-        (lambda: sft.load_pretrained(AutoModelForSequenceClassification, str(renamed), "check --reward"),
-         "weights missing from it ['score.weight'], weights in it that the model does not use ['value_head.weight']"),
-        (lambda: sft.load_pretrained(AutoModelForCausalLM, str(truncated), "check --model"),
-         f"cannot load the model in '{truncated}'"),
-        (lambda: sft.check_finite_weights(nan_model, "model 'x'"),
-         "the model 'x' has weights that are not finite (inf or nan) in 1 tensors"),
-        # A mistyped local path is reported missing, not looked up on the hub.
-        (lambda: sft.check_model_folder("chekpoints/sft", "check --model-name-or-path"),
-         "no model folder at 'chekpoints/sft'"),
-    ])
-    assert sft.is_hub_name("gpt2") and sft.is_hub_name("EleutherAI/pythia-410m")
-    assert not any(sft.is_hub_name(path) for path in ["chekpoints/sft", "checkpoints/sft", "./model", "toy_task/x"])
 
 
 def test_every_stage_takes_the_local_rank_the_deepspeed_launcher_passes():

@@ -1,0 +1,525 @@
+"""plumbing.py on its own, in this process: the flags, data files, model folders, output folders, ranks and
+checkpoints that every stage relies on, each helper checked once (each stage's own tests show that the stage calls
+it). No stage is imported here: the first tests check, by parsing the files, that plumbing.py imports none of them and
+knows nothing of RLHF, and that no stage keeps a copy of what plumbing.py holds.
+
+The shared bad-input fixture (`bad`), check_stops and write_jsonl live here; the stages' test files import them.
+"""
+
+import ast
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import plumbing
+
+BASE_MODEL = "toy_task/base_model"
+ROOT = Path(__file__).resolve().parent
+# The files that import plumbing.py: none may define a name that it defines.
+STAGES = ["sft.py", "reward_model.py", "ppo.py", "evaluate.py", "benchmark.py"]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def check_stops(cases):
+    """Each (call, message): the call stops with that one-line message (fail() raises SystemExit with the message,
+    which Python prints without a stack trace). In-process, so that the many cases cost no process start each; the
+    stages' tests run a few of them as a user would (check_errors), to show that main calls them."""
+    for call, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            call()
+        assert message in str(stop.value), (message, str(stop.value))
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """The wrong files and folders a new user points the scripts at."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty_folder").mkdir()
+    shutil.copytree(BASE_MODEL, root / "no_weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(BASE_MODEL, root / "pickle_only", ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(f"{BASE_MODEL}/model.safetensors"), root / "pickle_only" / "pytorch_model.bin")
+    row = {"prompt": "A fine film, and", "chosen": " good.", "rejected": " bad."}
+    write_jsonl(root / "empty_prompt.jsonl", [row, {**row, "prompt": "  "}])
+    write_jsonl(root / "empty_rejected.jsonl", [row, {**row, "rejected": ""}])
+    (root / "data.csv").write_text("prompt,chosen,rejected\nA fine film, and,good.,bad.\n")
+    (root / "broken.jsonl").write_text('{"prompt": "A fine film, and", "chosen": " good."}\n{"prompt": "A film", "chosen"\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "a_file").write_text("not a folder")
+    (root / "latin1.jsonl").write_bytes('{"prompt": "Un café, and", "chosen": " good."}\n'.encode("latin-1"))
+    shutil.copytree(BASE_MODEL, root / "nan_weights")
+    weights = load_file(f"{BASE_MODEL}/model.safetensors")
+    weights[sorted(weights)[-1]].view(-1)[0] = float("nan")
+    save_file(weights, root / "nan_weights" / "model.safetensors", metadata={"format": "pt"})
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What plumbing.py is: imported by the stages, importing none of them, the one place each helper is defined
+# ---------------------------------------------------------------------------------------------------------------
+def is_main_guard(node) -> bool:
+    """`if __name__ == "__main__":`, the block that runs a script."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+        isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+
+
+def top_level_names(path) -> set[str]:
+    """The names a file defines at its top level, by def, class or assignment (in top-level if, try, with and for
+    blocks too), read with ast: nothing is imported. In a script's `if __name__ == "__main__":` block only def and
+    class count: its assignments are the run's variables (a tensor named prompt_ids), not definitions."""
+    names = set()
+
+    def visit(statements, run_block=False):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and not run_block:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for t in targets for n in ast.walk(t)
+                             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                blocks = [getattr(node, field, []) for field in ("body", "orelse", "finalbody")]
+                for block in blocks + [handler.body for handler in getattr(node, "handlers", [])]:
+                    visit(block, run_block or is_main_guard(node))
+
+    visit(ast.parse((ROOT / path).read_text()).body)
+    return names
+
+
+def test_no_stage_keeps_a_copy_of_what_plumbing_holds():
+    """plumbing.py holds each helper once: a stage (or evaluate.py, benchmark.py) that defined a name plumbing.py
+    defines would be a second copy, free to drift from the first."""
+    held = top_level_names("plumbing.py")
+    assert {"fail", "load_split", "claim_output_dir", "RECORD", "PositiveInt", "commit_checkpoint"} <= held, held
+    copies = {script: sorted(top_level_names(script) & held) for script in STAGES}
+    assert not any(copies.values()), "defined both in plumbing.py and in: " + "; ".join(
+        f"{script} ({', '.join(names)})" for script, names in copies.items() if names)
+
+
+# Words of RLHF: plumbing.py is what a stage needs that is not the learning, so none of them belongs in it.
+RLHF_WORDS = re.compile(r"(?<![a-z])(actor|critic|reward|reference|kl)(s|es)?(?![a-z])", re.IGNORECASE)
+NOT_IMPORTED = {"rlhf_math", "sft", "reward_model", "ppo", "evaluate", "benchmark"}
+
+
+def test_plumbing_imports_no_stage_and_knows_nothing_of_rlhf():
+    """plumbing.py imports no stage, nor evaluate.py, benchmark.py or rlhf_math.py (anywhere in the file, by import
+    statement or importlib), and no identifier, comment or string in it says actor, critic, reward, reference or
+    KL (as a word, or as a part of a snake_case or CamelCase name)."""
+    source = (ROOT / "plumbing.py").read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            imported.add(str(node.args[0].value).split(".")[0])
+    assert {"torch", "deepspeed", "datasets"} <= imported, imported  # the walk does see the imports
+    assert not imported & NOT_IMPORTED, f"plumbing.py imports {sorted(imported & NOT_IMPORTED)}"
+    found = [f"line {number}: {match.group(0)!r} in {line.strip()!r}"
+             for number, line in enumerate(source.splitlines(), 1)
+             for match in RLHF_WORDS.finditer(re.sub(r"([a-z])([A-Z])", r"\1 \2", line))]
+    assert not found, "plumbing.py speaks of RLHF:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stopping with one line: fail, exact_div, check_ranges
+# ---------------------------------------------------------------------------------------------------------------
+def test_fail_names_the_running_script(monkeypatch):
+    """Every message begins with the running script's file name, sys.argv[0]'s (a stage run in this process by
+    run_in_process sets it; a direct call here sets it too)."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py", "--resume"])
+    with pytest.raises(SystemExit) as stop:
+        plumbing.fail("fix this")
+    assert str(stop.value) == "ppo.py: error: fix this"
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "sft.py")])  # run as python /path/to/sft.py: its file name only
+    with pytest.raises(SystemExit) as stop:
+        plumbing.exact_div(20, 8, "--total-episodes / (rollout batch x ranks)")
+    assert str(stop.value) == "sft.py: error: --total-episodes / (rollout batch x ranks): 20 is not divisible by 8"
+    assert plumbing.exact_div(24, 8, "x") == 3
+    check_stops([(lambda: plumbing.exact_div(8, 0, "--num-mini-batches"), "8 is not divisible by 0")])
+
+
+@dataclass
+class Ranged:
+    """Flags of every range check_ranges knows, at their bounds (all pass), plus an optional one and a plain float."""
+    num_steps: plumbing.PositiveInt = 1
+    warmup_steps: plumbing.CountInt = 0
+    learning_rate: plumbing.PositiveFloat = 1e-9
+    weight_decay: plumbing.NonNegativeFloat = 0.0
+    keep: plumbing.Fraction = 1.0
+    seed: plumbing.Seed = 2**32 - 1
+    target: Annotated[float | None, "be positive"] = None
+    scale: float = -3.0  # no range: any finite number
+    name: str = "x"
+
+
+def test_check_ranges_names_the_flag_and_its_rule(monkeypatch):
+    """Each annotated rule stops a value outside it with "--flag must RULE, not VALUE"; None (an unset optional flag)
+    passes; a float flag that is inf or nan stops as not finite, ranged or not (nan is outside every range: the
+    finite check comes first, to say why)."""
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    assert {rule for hint in Ranged.__annotations__.values() for rule in getattr(hint, "__metadata__", ())} \
+        == set(plumbing.RANGES)  # every rule is tried here
+    plumbing.check_ranges(Ranged())
+    plumbing.check_ranges(Ranged(keep=0.0, seed=0, target=1e-9, scale=0.0))
+    check_stops([(lambda changes=changes: plumbing.check_ranges(Ranged(**changes)), f"sft.py: error: {message}")
+                 for changes, message in [
+        ({"num_steps": 0}, "--num-steps must be at least 1, not 0"),
+        ({"warmup_steps": -1}, "--warmup-steps must not be negative, not -1"),
+        ({"learning_rate": 0.0}, "--learning-rate must be positive, not 0.0"),
+        ({"weight_decay": -0.5}, "--weight-decay must not be negative, not -0.5"),
+        ({"keep": 1.5}, "--keep must be between 0 and 1, not 1.5"),
+        ({"keep": -0.1}, "--keep must be between 0 and 1, not -0.1"),
+        ({"seed": 2**32}, "--seed must be between 0 and 2**32 - 1, not 4294967296"),
+        ({"seed": -1}, "--seed must be between 0 and 2**32 - 1, not -1"),
+        ({"target": 0.0}, "--target must be positive, not 0.0"),
+        ({"learning_rate": math.inf}, "--learning-rate must be a finite number, not inf"),
+        ({"target": math.inf}, "--target must be a finite number, not inf"),
+        ({"scale": math.nan}, "--scale must be a finite number, not nan"),
+        ({"weight_decay": math.nan}, "--weight-decay must be a finite number, not nan"),  # not "must not be negative"
+        ({"scale": -math.inf}, "--scale must be a finite number, not -inf"),
+    ]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data files and cells; prompts as token ids, from text, chat messages or whole conversations
+# ---------------------------------------------------------------------------------------------------------------
+def test_bad_data_files_stop_with_one_line(bad, tmp_path):
+    """load_split: each wrong file, folder, column or split stops with a line that names it and the flag to check."""
+    # One file is every split, and a slice of it works.
+    assert len(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"])) == 64
+    check_stops([
+        (lambda: plumbing.load_split("toy_task/data", "train[:64]", ["prompt", "answer"]), "has no column ['answer']"),
+        (lambda: plumbing.load_split("toy_task/data", "train", ["promt"]),
+         "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
+        (lambda: plumbing.load_split(str(bad / "nothing"), "train", ["prompt"]),
+         f"no data set at '{bad}/nothing'; check --dataset"),
+        (lambda: plumbing.load_split(str(bad / "data.csv"), "train", ["prompt"]),
+         "data.csv' is not a .json, .jsonl or .parquet file"),
+        (lambda: plumbing.load_split(str(bad / "broken.jsonl"), "train", ["prompt"]),
+         "line 2 of '" + str(bad / "broken.jsonl") + "' is not valid JSON (Expecting ':' delimiter"),
+        (lambda: plumbing.load_split(str(bad / "empty.jsonl"), "train", ["prompt"]), "empty.jsonl' is an empty file"),
+        (lambda: plumbing.load_split(str(bad / "latin1.jsonl"), "train", ["prompt"]), "split 'train' is not UTF-8 text"),
+        (lambda: plumbing.load_split("toy_task/data", "dev", ["prompt"]),
+         "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
+        (lambda: plumbing.load_split("toy_task/data", "validation", ["prompt"]),
+         "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
+        # Another flag, and other file kinds (ppo.py's --unsup-dataset, plain text)
+        (lambda: plumbing.load_split(str(tmp_path / "missing.txt"), "train", ["text"], "--unsup-dataset",
+                                     extensions=(".txt", ".json", ".jsonl", ".parquet")),
+         "no data set at"),
+        (lambda: plumbing.load_split(str(bad / "data.csv"), "train", ["text"], "--unsup-dataset",
+                                     extensions=(".txt", ".json", ".jsonl", ".parquet")),
+         "is not a .txt, .json, .jsonl or .parquet file"),
+    ])
+
+
+def test_data_cells_that_are_not_text_are_named_by_row_and_column():
+    assert plumbing.text_of({"prompt": "fine"}, 0, "prompt", "train") == "fine"
+    check_stops([
+        (lambda: plumbing.text_of({"prompt": None}, 3, "prompt", "train"),
+         "row 3 of split 'train', column 'prompt': empty (null); fix or remove the row"),
+        (lambda: plumbing.text_of({"prompt": [{"role": "user", "content": "hi"}]}, 4, "prompt", "train"),
+         "row 4 of split 'train', column 'prompt': a value of type list, not text"),
+        (lambda: plumbing.text_of({"chosen": 5}, 0, "chosen", "test"),
+         "row 0 of split 'test', column 'chosen': a value of type int, not text"),
+    ])
+
+
+# A template of plain words, so that the toy model can train on its output: each message on its own line, then the
+# opening of the assistant's turn.
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+MESSAGES = [{"role": "system", "content": "You review films."}, {"role": "user", "content": "The story"}]
+HH_ROW = {"chosen": "\n\nHuman: Was it good?\n\nAssistant: Yes.\n\nHuman: And the cast?\n\nAssistant: the cast was superb.",
+          "rejected": "\n\nHuman: Was it good?\n\nAssistant: Yes.\n\nHuman: And the cast?\n\nAssistant: the cast was bad."}
+HH_PROMPT = "\n\nHuman: Was it good?\n\nAssistant: Yes.\n\nHuman: And the cast?\n\nAssistant:"
+
+
+@pytest.fixture
+def tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
+    tokenizer.chat_template = PLAIN_TEMPLATE
+    return tokenizer
+
+
+def ids(tokenizer, text, special=True):
+    return tokenizer(text, add_special_tokens=special, split_special_tokens=True)["input_ids"]
+
+
+def test_chat_prompts_go_through_the_chat_template(tokenizer, tmp_path, capsys):
+    """load_prompts (ppo.py's and evaluate.py's prompts): a list of messages becomes the template's text, up to the
+    opening of the assistant's turn, tokenized without a second BOS; a text prompt keeps its own path. A prompt
+    longer than --max-prompt-len is dropped and counted, never truncated."""
+    templated = ids(tokenizer, "system: You review films.\nuser: The story\nassistant:", special=False)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": MESSAGES, "chosen": " was good.", "rejected": " was dull."},
+                                                 {"prompt": "A text prompt", "chosen": "", "rejected": ""}])
+    assert plumbing.load_prompts(tokenizer, path, "train", "prompt", 64, False) == [templated,
+                                                                                    ids(tokenizer, "A text prompt")]
+    shorter = len(templated) - 1
+    assert plumbing.load_prompts(tokenizer, path, "train", "prompt", shorter, True) == [ids(tokenizer, "A text prompt")]
+    assert f"dropped 1 of 2 prompts longer than --max-prompt-len {shorter}" in capsys.readouterr().out
+
+
+def test_chat_markers_are_real_tokens_and_messages_cannot_spell_them(tokenizer):
+    """A template's markers (added tokens) become their own ids; a message whose content spells one is refused, as
+    it would fake a turn. A tokenizer without a template, and a cell that is not a list of messages, are refused."""
+    marked = AutoTokenizer.from_pretrained(BASE_MODEL)
+    marked.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    marked.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    start, end = marked.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    prompt = plumbing.prompt_ids(marked, {"prompt": MESSAGES}, 0, "prompt", "train")
+    assert prompt.count(start) == 3 and prompt.count(end) == 2 and prompt[0] == start
+    no_template = AutoTokenizer.from_pretrained(BASE_MODEL)
+    check_stops([
+        (lambda: plumbing.prompt_ids(marked, {"prompt": [{"role": "user", "content": "it was<|im_end|>"}]}, 4, "prompt",
+                                     "train"), "row 4 of split 'train', column 'prompt': a message spells the token "
+                                               "'<|im_end|>'"),
+        (lambda: plumbing.prompt_ids(no_template, {"prompt": MESSAGES}, 2, "prompt", "test"),
+         "row 2 of split 'test', column 'prompt' holds chat messages, but the tokenizer has no chat template"),
+        (lambda: plumbing.prompt_ids(tokenizer, {"prompt": [{"role": "user"}]}, 1, "prompt", "train"),
+         "row 1 of split 'train', column 'prompt': not a list of {'role': ..., 'content': ...} messages"),
+        (lambda: plumbing.prompt_ids(tokenizer, {"prompt": []}, 0, "prompt", "train"), "not a list of {'role'"),
+        (lambda: plumbing.prompt_ids(tokenizer, {"prompt": ["The story"]}, 0, "prompt", "train"), "not a list of"),
+    ])
+
+
+def test_the_hh_rlhf_layout_is_cut_at_its_last_marker_and_named_without_the_flag(tokenizer, tmp_path):
+    """A whole conversation's prompt is its text up to and including its last "\\n\\nAssistant:" (load_prompts with
+    the marker, as ppo.py and evaluate.py read it under --split-conversations); without the flag, data in that layout
+    stops with a message that names the flag; a conversation that does not split is refused."""
+    write_jsonl(tmp_path / "hh.jsonl", [HH_ROW])
+    assert plumbing.load_prompts(tokenizer, str(tmp_path / "hh.jsonl"), "train", "chosen", 64, False,
+                                 "\n\nAssistant:") == [ids(tokenizer, HH_PROMPT)]
+    assert plumbing.split_conversation(HH_ROW["chosen"], "\n\nAssistant:", "row 0") == (HH_PROMPT,
+                                                                                        " the cast was superb.")
+    check_stops([
+        (lambda: plumbing.load_split(str(tmp_path / "hh.jsonl"), "train", ["prompt"]),
+         "has no column ['prompt']; its columns are ['chosen', 'rejected']; if 'chosen' and 'rejected' each hold the "
+         "whole conversation (the hh-rlhf layout), pass --split-conversations (ppo.py and evaluate.py also "
+         "--prompt-column chosen)"),
+        (lambda: plumbing.split_conversation("\n\nHuman: hi\n\nAssistant: ", "\n\nAssistant:", "row 3"),
+         "row 3: nothing after the last '\\n\\nAssistant:'"),
+        (lambda: plumbing.split_conversation("Human: hi. Bot: hello.", "\n\nAssistant:", "row 0"),
+         "row 0: no '\\n\\nAssistant:' to split the conversation at; check --assistant-marker"),
+    ])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model folders, tokenizers, weights
+# ---------------------------------------------------------------------------------------------------------------
+def test_bad_model_folders_and_tokenizers_stop_with_one_line(bad, tmp_path):
+    """check_model_folder and load_tokenizer: a line that names the folder, what is wrong, and the caller's hint."""
+    check_stops([
+        (lambda: plumbing.check_model_folder(str(bad / "nothing"), "check --model-name-or-path"), "no model folder at"),
+        (lambda: plumbing.check_model_folder(str(tmp_path / "missing"), "check --reward-model-name-or-path"),
+         "no model folder at"),
+        (lambda: plumbing.check_model_folder(str(bad / "empty_folder"), "check --model-name-or-path"),
+         "empty_folder' holds no model (no config.json)"),
+        (lambda: plumbing.check_model_folder(str(bad / "empty_folder"),
+                                             "run sft.py first or check --actor-model-name-or-path"),
+         "holds no model (no config.json); run sft.py first or check --actor-model-name-or-path"),
+        (lambda: plumbing.check_model_folder(str(bad / "no_weights"), "check --model-name-or-path"),
+         "no_weights' has no model weights (model.safetensors)"),
+        (lambda: plumbing.check_model_folder(str(bad / "pickle_only"), "check --reward-model-name-or-path"),
+         "has no model.safetensors; only safetensors weights are loaded (no pickle)"),
+        (lambda: plumbing.load_tokenizer(str(bad / "empty_folder"), "check --tokenizer-name-or-path", False),
+         "cannot load a tokenizer from"),
+    ])
+
+
+def test_damaged_misnamed_or_mistyped_weights_are_refused(bad, tmp_path):
+    # A reward model whose score head was saved under another name would load with a random head.
+    renamed = tmp_path / "renamed_head"
+    AutoModelForSequenceClassification.from_pretrained(BASE_MODEL, num_labels=1).save_pretrained(renamed)
+    weights = load_file(renamed / "model.safetensors")
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    truncated = tmp_path / "truncated"
+    shutil.copytree(BASE_MODEL, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    nan_model = AutoModelForCausalLM.from_pretrained(bad / "nan_weights")
+    check_stops([
+        (lambda: plumbing.load_pretrained(AutoModelForSequenceClassification, str(renamed), "check --reward"),
+         "weights missing from it ['score.weight'], weights in it that the model does not use ['value_head.weight']"),
+        (lambda: plumbing.load_pretrained(AutoModelForCausalLM, str(truncated), "check --model"),
+         f"cannot load the model in '{truncated}'"),
+        (lambda: plumbing.check_finite_weights(nan_model, "model 'x'"),
+         "the model 'x' has weights that are not finite (inf or nan) in 1 tensors"),
+        # A mistyped local path is reported missing, not looked up on the hub.
+        (lambda: plumbing.check_model_folder("chekpoints/sft", "check --model-name-or-path"),
+         "no model folder at 'chekpoints/sft'"),
+    ])
+    assert plumbing.is_hub_name("gpt2") and plumbing.is_hub_name("EleutherAI/pythia-410m")
+    assert not any(plumbing.is_hub_name(path) for path in ["chekpoints/sft", "checkpoints/sft", "./model", "toy_task/x"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output folders: never destroyed, one run each; ranks
+# ---------------------------------------------------------------------------------------------------------------
+def test_an_output_folder_is_never_destroyed(tmp_path, monkeypatch):
+    """claim_output_dir and save_model_folder, as sft.py and then reward_model.py (the running script owns what it
+    writes)."""
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    check_stops([
+        (lambda: plumbing.claim_output_dir(".", {"--dataset": "toy_task/data"}, True),
+         "--output-dir '.' is or holds --dataset 'toy_task/data', which this run reads"),
+        (lambda: plumbing.claim_output_dir(BASE_MODEL, {"--model-name-or-path": BASE_MODEL}, True),
+         "is or holds --model-name-or-path"),
+        (lambda: plumbing.claim_output_dir(str(notes), {}, False),
+         "is not empty and holds no earlier output of sft.py; name a new or empty folder, or pass --overwrite"),
+        (lambda: plumbing.claim_output_dir("/proc/x", {}, False), "cannot write to --output-dir '/proc/x'"),
+    ])
+    assert os.listdir(notes) == ["notes.txt"]
+    # With --overwrite the model is written beside the user's file, and a stale weights file of another layout (here a
+    # shard of an earlier save) goes, so that from_pretrained cannot mix it in.
+    (notes / "model-00001-of-00002.safetensors").write_text("stale")
+    plumbing.claim_output_dir(str(notes), {}, True)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
+    plumbing.save_model_folder(model, tokenizer, str(notes), {"script": "sft.py", "finished": True})
+    assert (notes / "notes.txt").read_text() == "mine" and not (notes / "model-00001-of-00002.safetensors").exists()
+    assert not (notes / ".saving").exists() and plumbing.read_record(str(notes))["finished"]
+    AutoModelForCausalLM.from_pretrained(notes)
+    # One run per folder: while the lock's holder (this process) lives, another run is refused; the folder now holds
+    # an output of sft.py, which reward_model.py does not replace.
+    check_stops([(lambda: plumbing.claim_output_dir(str(notes), {}, False),
+                  f"is in use by another run (pid {os.getpid()} on {socket.gethostname()})")])
+    monkeypatch.setattr(sys, "argv", ["reward_model.py"])
+    check_stops([(lambda: plumbing.claim_output_dir(str(notes), {}, False),
+                  "holds no earlier output of reward_model.py")])
+    # A lock left by a run that was killed is taken over.
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (notes / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")
+    plumbing.claim_output_dir(str(notes), {}, False)
+    assert (notes / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
+def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
+    """Nodes share the output folder's filesystem, and a lock's pid means something only on the host that wrote it:
+    a lock of another host stops the run even where no process of that pid lives."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").write_text(f"node-7 {gone.pid}")
+    check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, True),
+                  f"is in use by another run (pid {gone.pid} on node-7)")])
+    assert (out / ".lock").read_text() == f"node-7 {gone.pid}"
+
+
+def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(monkeypatch):
+    """On node 1 (RANK=1, LOCAL_RANK=0) on_rank_0 must not run its function (claim_output_dir, start_run) but take
+    rank 0's result. The two-node runs of test_launchers cannot show it: rank 0's broadcast overwrites what node 1
+    did, and node 1's claim of the output folder fails (or wins) only when the two race for its lock. On rank 0 the
+    function runs, and a stop there stops every rank with its message."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: objects.__setitem__(0, "rank 0's"))
+    assert plumbing.on_rank_0(lambda: pytest.fail("ran on node 1")) == "rank 0's"
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: None)
+    assert plumbing.on_rank_0(lambda: "mine") == "mine"
+    check_stops([(lambda: plumbing.on_rank_0(lambda: plumbing.fail("the folder is in use")), "the folder is in use")])
+
+
+def test_new_threads_take_one_openmp_thread():
+    """one_openmp_thread_for_new_threads, which relies on how torch gives each thread its OpenMP count: after it, a
+    thread started later (as gloo's, which run the collectives) works on one OpenMP thread, and the calling thread
+    keeps its count."""
+    counts = []
+    main_count = torch.get_num_threads()
+    plumbing.one_openmp_thread_for_new_threads()
+    thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert counts == [1] and torch.get_num_threads() == main_count
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints for --resume: renamed into place once complete, the newest two kept; the metrics file continued
+# ---------------------------------------------------------------------------------------------------------------
+def write_checkpoint(checkpoint_dir, iteration, content="whole"):
+    """A checkpoint as a run writes it before commit_checkpoint: in iteration_N.tmp. Returns iteration_N's path."""
+    folder = checkpoint_dir / f"iteration_{iteration}.tmp"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text(json.dumps({"iteration": iteration, "content": content}))
+    return str(checkpoint_dir / f"iteration_{iteration}")
+
+
+def test_checkpoints_are_committed_whole_and_the_newest_two_kept(tmp_path):
+    resume = tmp_path / "resume"
+    assert plumbing.complete_checkpoints(str(resume)) == []  # no folder yet
+    path = write_checkpoint(resume, 1)
+    assert plumbing.complete_checkpoints(str(resume)) == []  # a .tmp folder is not a checkpoint
+    plumbing.commit_checkpoint(path)
+    assert sorted(os.listdir(resume)) == ["iteration_1", "latest"] and (resume / "latest").read_text() == "iteration_1"
+    assert json.loads((resume / "iteration_1" / "state.json").read_text())["iteration"] == 1
+    for iteration in (2, 3):
+        plumbing.commit_checkpoint(write_checkpoint(resume, iteration))
+    assert sorted(os.listdir(resume)) == ["iteration_2", "iteration_3", "latest"]
+    assert (resume / "latest").read_text() == "iteration_3"
+    assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_3"), str(resume / "iteration_2")]
+    # A kill while iteration 4 was being written leaves iteration_4.tmp, which is no checkpoint; the resumed run
+    # (here with a larger --save-every) commits iteration 5, and the stray folder goes with the oldest checkpoint.
+    write_checkpoint(resume, 4, content="cut short")
+    assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_3"), str(resume / "iteration_2")]
+    plumbing.commit_checkpoint(write_checkpoint(resume, 5))
+    assert sorted(os.listdir(resume)) == ["iteration_3", "iteration_5", "latest"]
+    assert (resume / "latest").read_text() == "iteration_5"
+    # A kill between a checkpoint's rename and `latest`: the one `latest` names comes first, then the others newest
+    # first; a `latest` that names no complete checkpoint leaves them newest first.
+    (resume / "latest").write_text("iteration_3\n")
+    assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_3"), str(resume / "iteration_5")]
+    (resume / "latest").write_text("iteration_4")
+    assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_5"), str(resume / "iteration_3")]
+    # A checkpoint written again under a name that exists replaces it whole.
+    plumbing.commit_checkpoint(write_checkpoint(resume, 5, content="again"))
+    assert json.loads((resume / "iteration_5" / "state.json").read_text())["content"] == "again"
+    assert sorted(os.listdir(resume)) == ["iteration_3", "iteration_5", "latest"]
+    assert (resume / "latest").read_text() == "iteration_5"
+
+
+def test_a_resumed_run_continues_its_metrics_file(tmp_path):
+    """continue_metrics_file keeps the lines of the iterations up to the checkpoint's, and drops those after it and
+    any line that a kill cut short or that is not a metrics line."""
+    path = tmp_path / "metrics.jsonl"
+    plumbing.continue_metrics_file(str(path), 2)  # a run killed before it logged anything
+    assert not path.exists()
+    lines = [json.dumps({"iteration": i, "loss": i / 2}) + "\n" for i in (1, 2, 3, 4)]
+    path.write_text("".join(lines) + "\n" + '{"loss": 1}\n' + '{"iteration": 5, "lo')
+    plumbing.continue_metrics_file(str(path), 2)
+    assert path.read_text() == lines[0] + lines[1]
+    path.write_text(lines[0] + '{"iteration": 2, "lo\n' + lines[2].rstrip("\n"))  # the last line whole, but unended
+    plumbing.continue_metrics_file(str(path), 3)
+    assert path.read_text() == lines[0] + lines[2]
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]  # written whole: no temporary file left
