@@ -1,10 +1,7 @@
 """Plumbing: what every stage needs that is not the learning. A reader learning RLHF can skip this file.
 
-Flags, files, model folders, output folders and their lock, ranks, signals, and the state of a DeepSpeed engine on
-disk: plain functions that stop with one line saying what to fix, so that a mistake never ends in a stack trace from
-inside a library, and a run never destroys a user's files or outlives its launcher. The three stages and
-evaluate.py import it; it imports none of them, nor rlhf_math.py.
-"""
+Flags, files, model and output folders, ranks, signals, and a DeepSpeed engine's state on disk, in plain functions
+that stop with one line saying what to fix. The stages and evaluate.py import it; it imports none of them."""
 
 import atexit
 import contextlib
@@ -60,8 +57,7 @@ RANGES = {"be at least 1": lambda v: v >= 1, "be positive": lambda v: v > 0, "no
           "be between 0 and 1": lambda v: 0 <= v <= 1, "be between 0 and 2**32 - 1": lambda v: 0 <= v < 2**32}
 
 def check_ranges(args) -> None:
-    """Every flag within the range its annotation names (PositiveInt, Fraction, ...) and every float flag finite, or
-    a one-line error that names the flag. Called before anything is loaded."""
+    """Every float flag finite and every flag within its annotation's range (PositiveInt, ...), or one line."""
     check_finite_args(args)  # first: nan fails every range, and "must be a finite number" says why
     for name, hint in get_type_hints(type(args), include_extras=True).items():
         value = getattr(args, name)
@@ -76,12 +72,10 @@ def check_finite_args(args) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{field.name.replace('_', '-')} must be a finite number, not {value}")
 
-
 # --- Model folders, tokenizers and DeepSpeed engines. ---
 def is_hub_name(path: str) -> bool:
-    """True for `name` or `org/name` that is not a path here: from_pretrained looks it up on the Hugging Face hub.
-    Local-looking paths never go there: the stages' own outputs (checkpoints/...), even before the stage that writes
-    them has run, and a path whose first folder is a near miss of one here (chekpoints/sft), which is a typo."""
+    """True for `name` or `org/name` that from_pretrained would look up on the hub. Never for a local-looking path:
+    the stages' outputs (checkpoints/..., even before they exist), or a near miss of a folder here (chekpoints/sft)."""
     first = path.split("/")[0]
     here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
     return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
@@ -111,9 +105,8 @@ def check_model_folder(path: str, hint: str) -> None:
 def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
     """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
     the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    new_head: the model's head starts fresh from a checkpoint of another head (a sequence classifier from a causal LM):
-    the weights outside the shared backbone (transformers' base_model_prefix), and only those, may be missing from the
-    checkpoint or left unused in it."""
+    new_head: a fresh head on another model's checkpoint (a sequence classifier from a causal LM): only the weights
+    outside the backbone (transformers' base_model_prefix) may be missing from the checkpoint or unused in it."""
     try:
         model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
@@ -127,8 +120,7 @@ def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, *
     return model
 
 def check_finite_weights(model, name: str) -> None:
-    """Stop before training if a weight is inf or NaN (a damaged checkpoint), instead of failing later inside sampling
-    or as a NaN loss. Under ZeRO-3 each parameter is gathered in turn (every rank takes part)."""
+    """Stop if a weight is inf or NaN (a damaged checkpoint); under ZeRO-3 every rank takes part."""
     bad = []
     for param_name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters(param):  # does nothing to a parameter that is not partitioned
@@ -148,9 +140,8 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
 def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool):
-    """The tokenizer (load_tokenizer) with an EOS and a pad token distinct from it, which is added if missing:
-    padding equal to EOS would mask the real EOS like padding (DeepSpeed-Chat's trap). Returns (tokenizer, whether
-    the pad token was added: the model's embeddings must then grow by one)."""
+    """The tokenizer with an EOS and a pad token distinct from it, added if missing (padding equal to EOS would mask
+    the real EOS like padding: DeepSpeed-Chat's trap). Returns it and whether the model's embeddings must grow."""
     tokenizer = load_tokenizer(path, hint, trust_remote_code)
     if tokenizer.eos_token_id is None:
         fail(f"the tokenizer of {path!r} has no EOS token; set one, or pick another with --tokenizer-name-or-path")
@@ -180,21 +171,17 @@ def adamw(params, lr: float, weight_decay: float, offload: bool):
     return adam(params, lr=lr, weight_decay=weight_decay)
 
 def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
-    """deepspeed.initialize: a trained engine (with its optimizer and scheduler) in train mode, or a frozen one
-    (without, and without gradients) in eval mode."""
+    """deepspeed.initialize: trained (optimizer and scheduler given) in train mode, else frozen in eval mode."""
     if optimizer is None:
         model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    if optimizer is None:
-        engine.eval()
-        return engine
-    engine.train()  # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode
-    if engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
+    # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode.
+    engine.train(optimizer is not None)
+    if optimizer is not None and engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
         # One rank has no gradients to average, but DeepSpeed would still copy them all into one buffer, all-reduce
         # it and copy them back after every backward pass (checked with DeepSpeed 0.19.8).
         engine.enable_backward_allreduce = False
     return engine
-
 
 # --- Data files: one split, checked for its columns and its cells; prompts as token ids. ---
 def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
@@ -247,8 +234,7 @@ def text_of(row: dict, i: int, column: str, split: str) -> str:
     return value
 
 def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[str, str]:
-    """A whole conversation (the hh-rlhf layout, "\n\nHuman: ...\n\nAssistant: ...") -> (prompt, response): the
-    prompt up to and including its last assistant marker, the response after it."""
+    """A whole conversation (hh-rlhf) -> (prompt up to and including its last assistant marker, response)."""
     cut = text.rfind(assistant_marker)
     if cut < 0:
         fail(f"{where}: no {assistant_marker!r} to split the conversation at; check --assistant-marker")
@@ -258,10 +244,9 @@ def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[st
     return prompt, response
 
 def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
-    """The token ids of one row's prompt. Text is tokenized as it is (split_special_tokens: text that spells a special
-    token, "<|endoftext|>", stays text, never a real EOS); with assistant_marker the text is a whole conversation
-    whose prompt ends at its last marker (split_conversation). A list of {"role", "content"} messages goes through
-    the tokenizer's chat template, up to the opening of the assistant's turn."""
+    """The token ids of one row's prompt: text as it is (text that spells "<|endoftext|>" stays text, never a real
+    EOS), with assistant_marker a whole conversation cut at its last marker (split_conversation), and a list of
+    {"role", "content"} messages through the tokenizer's chat template, up to the opening of the assistant's turn."""
     value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
     if not isinstance(value, list):
         text = text_of(row, i, column, split)
@@ -283,16 +268,14 @@ def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def refuse_repeated_prompt(prompt, responses: dict[str, str], i: int, split: str) -> None:
-    """Responses that each begin with their prompt's text are the hh-rlhf layout read as if it were not: the prompt
-    would be there twice. responses: column -> text."""
+    """Stop on the hh-rlhf layout read as if it were not: every response (column -> text) begins with the prompt."""
     if isinstance(prompt, str) and all(response.startswith(prompt) for response in responses.values()):
         fail(f"row {i} of split {split!r}: {' and '.join(map(repr, responses))} begin with the prompt (the hh-rlhf "
              "layout); pass --split-conversations to cut the prompt from each whole conversation")
 
 def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_len: int, is_main: bool,
                  assistant_marker: str | None = None) -> list:
-    """The token ids (prompt_ids) of every prompt of a split that fits max_prompt_len: a longer prompt is dropped,
-    never truncated, and the dropped ones are counted (on rank 0)."""
+    """The token ids of every prompt of a split that fits max_prompt_len; longer ones are dropped and counted."""
     data = load_split(dataset, split, [column])
     prompts, too_long = [], 0
     for i, row in enumerate(data):
@@ -307,12 +290,10 @@ def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_le
         fail(f"no prompt of split {split!r} fits --max-prompt-len {max_prompt_len}; raise it")
     return prompts
 
-
 # --- Processes and ranks: the process group, the launcher watch, signals, and rank 0's work. ---
 def init_distributed(dtype: str) -> torch.device:
-    """Join the ranks' process group and return this rank's device; stop within seconds if the launcher dies, and
-    with one line on Ctrl-C or SIGTERM. deepspeed and torchrun set RANK, LOCAL_RANK and WORLD_SIZE; a plain `python`
-    run is one rank."""
+    """Join the ranks' process group (RANK, LOCAL_RANK, WORLD_SIZE from deepspeed or torchrun; a plain `python` run
+    is one rank) and return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM."""
     watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -327,9 +308,8 @@ def init_distributed(dtype: str) -> torch.device:
     if on_cpu:
         one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
-    # Leave the process group before Python shuts down: a gloo group still alive at interpreter exit aborts the
-    # process now and then ("terminate called without an active exception", exit code -6), a finished run too
-    # (torch 2.13). Checked first, since tests run a script several times in one process.
+    # Leave the process group before Python shuts down: a gloo group alive at interpreter exit aborts the process now
+    # and then ("terminate called without an active exception", -6; torch 2.13). Tests run a script several times.
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if on_cpu:
         remove_shared_memory_file()
@@ -338,23 +318,19 @@ def init_distributed(dtype: str) -> torch.device:
 
 def one_openmp_thread_for_new_threads() -> None:
     """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
-    The collectives run on gloo's worker threads, and with torch's default each of them starts an OpenMP team of its
-    own at its first large tensor copy. The process then has more OpenMP threads than cores, libgomp puts idle threads
-    to sleep at once instead of spinning, and every operation of every model waits for its threads to wake up (the
-    bundled task under ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the calling
-    thread's count and the count that a thread takes at its first parallel operation, so it is called from a
-    short-lived thread of its own (checked with torch 2.13: test_new_threads_take_one_openmp_thread)."""
+    gloo's worker threads, which run the collectives, would each start an OpenMP team at their first large copy; with
+    more OpenMP threads than cores, libgomp sleeps instead of spinning and every op waits for its threads to wake
+    (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the caller's count and the default
+    of new threads, so a short-lived thread calls it (torch 2.13: test_new_threads_take_one_openmp_thread)."""
     torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
     setter = threading.Thread(target=torch.set_num_threads, args=(1,))
     setter.start()
     setter.join()
 
 def remove_shared_memory_file() -> None:
-    """DeepSpeed's shared-memory all-reduce for the CPU ranks of one node (for its inference engine; unused here) gives
-    each rank a 66 MB file in /dev/shm when the process group starts, and never removes it: every run would keep that
-    much memory per rank until the machine restarts. Once every rank has joined, each has mapped the others' files, so
-    each rank removes its own name, and the memory goes when the last rank exits (the name is the one DeepSpeed
-    0.19.8's shm.cpp gives it; a job across nodes or under torchrun makes none)."""
+    """DeepSpeed's CPU shared-memory all-reduce (unused here) gives each rank a 66 MB file in /dev/shm that it never
+    removes. Once every rank has joined (and mapped the others' files) each removes its own name, and the memory goes
+    with the last rank (the name of DeepSpeed 0.19.8's shm.cpp; a job across nodes or under torchrun makes none)."""
     dist.barrier()  # every rank has mapped every rank's file
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
             f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
@@ -372,8 +348,7 @@ def pid_alive(pid: int) -> bool:
     return pid > 0
 
 def on_rank_0(function):
-    """function() on rank 0 only, its result sent to every rank; if it stops with a message, every rank stops with
-    that message (instead of waiting for rank 0 forever)."""
+    """function() on rank 0 only, its result (or the message it stopped with) sent to every rank."""
     result = [None, None]
     if dist.get_rank() == 0:
         try:
@@ -393,10 +368,9 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 def watch_launcher() -> None:
-    """Exit within a second or two when the launcher that started this rank dies: a killed `deepspeed` or `torchrun`
-    does not take its ranks along, and an orphaned rank would go on training and writing checkpoints. The launcher
-    is every ancestor process that runs this same Python (deepspeed's runner and launch.py, torchrun; for a plain
-    `python` run from a shell, none); a thread checks each second that each is still there (Linux /proc)."""
+    """Exit within seconds when the launcher dies: a killed `deepspeed` or `torchrun` leaves its ranks training and
+    writing checkpoints. The launcher is every ancestor that runs this same Python (deepspeed's runner and launch.py,
+    torchrun; none for a plain `python` run); a thread checks each second that each is still there (Linux /proc)."""
     def parent_and_start(pid):  # None once the process is gone, or dead and waiting to be reaped (a zombie)
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -418,18 +392,15 @@ def watch_launcher() -> None:
     if watched:
         threading.Thread(target=watch, daemon=True).start()
 
-
 # --- Output folders: claimed and locked before anything loads, written whole or not at all (detail 40). ---
 RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
 
 def read_record(folder: str) -> dict | None:
     """The training_run.json of a folder, or None if it has none that reads."""
-    try:
-        with open(os.path.join(folder, RECORD)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, RECORD)) as f:
+        record = json.load(f)
+        return record if isinstance(record, dict) else None
+    return None
 
 def write_json(path: str, value) -> None:
     """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
@@ -440,8 +411,7 @@ def write_json(path: str, value) -> None:
     os.replace(path + ".tmp", path)
 
 def fsync_tree(path: str) -> None:
-    """Flush a folder's files and the folder entries themselves to disk, so that a rename after this names complete
-    files even after a power cut."""
+    """Flush a folder's files and entries to disk: a rename after this names complete files, even after a power cut."""
     for root, _, files in os.walk(path):
         for name in files + ["."]:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
@@ -449,10 +419,9 @@ def fsync_tree(path: str) -> None:
             os.close(fd)
 
 def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
-    """Make OUTPUT_DIR this run's before any model loads, or stop with a message. It must not be, nor hold, an input
-    (--output-dir . holds the data); a non-empty folder must hold an earlier output of this script (its
-    training_run.json says so) unless --overwrite; it must be writable. OUTPUT_DIR/.lock, holding host and pid, keeps
-    a second run out while this one lives; it is removed at exit, and one left by a killed run is taken over."""
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: not an input nor holding one; if not
+    empty, an earlier output of this script (its training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock
+    (host and pid) keeps a second run out while this one lives; a lock left by a killed run is taken over."""
     script_name = script()
     real = os.path.realpath(output_dir)
     for flag, path in inputs.items():
@@ -461,8 +430,8 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     ours = (read_record(output_dir) or {}).get("script") == script_name
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         if not ours:
-            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script_name}; name a new or "
-                 "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
+            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script_name}; name a new "
+                 "or empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
                  "else is deleted)")
     lock, me = os.path.join(output_dir, ".lock"), f"{socket.gethostname()} {os.getpid()}"
     for _ in range(2):
@@ -497,10 +466,9 @@ def make_run_dir(run_name: str) -> str:
     return path
 
 def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
-    """The model as an ordinary Hugging Face folder: safetensors (state_dict, or the model's own), tokenizer and
-    training_run.json. Written in OUTPUT_DIR/.saving, flushed to disk, then moved into place file by file, so that a
-    run killed while saving leaves the earlier model whole; weight files of an earlier save that this one does not
-    write are removed, so that from_pretrained cannot mix them in. Under ZeRO-3 the caller gathers the weights."""
+    """The model as an ordinary Hugging Face folder (safetensors of state_dict or the model's own, tokenizer, record),
+    written in OUTPUT_DIR/.saving, flushed and moved into place file by file: a run killed while saving leaves the
+    earlier model whole. Weight files of an earlier save that this one does not write are removed."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, ".saving")
@@ -521,8 +489,7 @@ def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dic
         fail(f"cannot save the model to {output_dir!r} ({error}); its new files are in {output_dir}/.saving, if any")
 
 def save_engine_folder(engine, tokenizer, output_dir: str, record: dict, state_dict_of=None) -> None:
-    """An engine's model as a Hugging Face folder (save_model_folder; state_dict_of(model) gives the weights to save,
-    if not the model's own). Under ZeRO-3 the full weights are gathered first (every rank takes part; rank 0 writes)."""
+    """save_model_folder of an engine's model (state_dict_of(model): its weights), gathered whole under ZeRO-3."""
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
                                            enabled=engine.zero_optimization_stage() == 3):
         if dist.get_rank() == 0:
@@ -530,22 +497,20 @@ def save_engine_folder(engine, tokenizer, output_dir: str, record: dict, state_d
                               state_dict_of(engine.module) if state_dict_of else None)
 
 def start_tensorboard(run_name: str, args, purge_step: int | None = None) -> SummaryWriter:
-    """Rank 0's tensorboard writer in runs/RUN_NAME, with the hyperparameters (the Args dataclass) as a table; with
-    --track (args.track) wandb mirrors it into args.wandb_project_name. purge_step: a resumed run drops the events
-    its killed predecessor logged from that step on."""
+    """Rank 0's tensorboard writer in runs/RUN_NAME with the hyperparameters (Args) as a table, mirrored to wandb with
+    --track; purge_step: a resumed run drops the events its killed predecessor logged from that step on."""
     if args.track:
         import wandb
         wandb.init(project=args.wandb_project_name, name=run_name, config=asdict(args), sync_tensorboard=True)
     writer = SummaryWriter(os.path.join("runs", run_name), purge_step=purge_step)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+    table = "\n".join(f"|{name}|{value}|" for name, value in asdict(args).items())
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
     return writer
-
 
 # --- A DeepSpeed engine's state on disk, for --resume: weights, Adam's moments and step, the scheduler, in ---
 # --- safetensors (nothing that a load would unpickle); checkpoints renamed into place once complete. ---
 def save_weights(engine, path: str, is_main: bool) -> None:
-    """Every parameter of a frozen engine under the engine's own names (LoRA adapters unmerged), gathered
-    whole under ZeRO-3 (every rank takes part; rank 0 writes), in path/model.safetensors: for --resume."""
+    """A frozen engine's parameters, whole (every rank takes part; rank 0 writes), in PATH/model.safetensors."""
     weights = {}
     for name, param in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
@@ -556,25 +521,21 @@ def save_weights(engine, path: str, is_main: bool) -> None:
         safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
 
 def load_weights(engine, weights: dict[str, torch.Tensor]) -> None:
-    """The inverse of save_weights: every parameter set from `weights` (a loaded model.safetensors, by the engine's own
-    names), under ZeRO-3 into every rank's partition (modifier_rank)."""
+    """The inverse of save_weights: every parameter set from `weights`, under ZeRO-3 into every rank's partition."""
     for name, param in engine.module.named_parameters():
         with torch.no_grad(), deepspeed.zero.GatheredParameters(
                 param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
             param.data.copy_(weights[name])
 
 def torch_optimizer(engine):
-    """The torch optimizer inside an engine, whose state holds Adam's step count. Under ZeRO or bf16 DeepSpeed wraps it
-    and keeps it in the wrapper's `optimizer` attribute, for which it has no public accessor; under ZeRO-0 in fp32 the
-    engine's optimizer is the torch one. Checked with DeepSpeed 0.19.8 (test_killed_run_resumes_to_the_same_metrics,
-    every ZeRO stage)."""
+    """The torch optimizer inside an engine (its state holds Adam's step): under ZeRO or bf16 the private `optimizer`
+    of DeepSpeed's wrapper, else the engine's own (DeepSpeed 0.19.8, test_killed_run_resumes_to_the_same_metrics)."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
-    """What --resume needs of a trained model, in safetensors (nothing that a load would unpickle): the fp32 master
-    weights in model.safetensors and Adam's moments in adam.safetensors, under the engine's own parameter names (LoRA
-    adapters unmerged). Each tensor is whole, gathered from the ranks' partitions under ZeRO (every rank takes part;
-    rank 0 writes). Returns the optimizer's step count and the scheduler's state, for state.json."""
+    """What --resume needs of a trained engine: the fp32 master weights in model.safetensors and Adam's moments in
+    adam.safetensors, by the engine's own parameter names, each whole (gathered under ZeRO: every rank takes part,
+    rank 0 writes). Returns the optimizer's step count and the scheduler's state."""
     # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
     # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
     base_optimizer = torch_optimizer(engine)
@@ -600,9 +561,8 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
     return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict()}
 
 def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
-    """Restore the weights, Adam's moments, step count and learning rate that save_training_state wrote, into an
-    engine built from the model the run started from: the model's own weights (in its dtype) and, under bf16 or
-    ZeRO, the fp32 master copy that the optimizer updates."""
+    """Restore what save_training_state wrote into an engine built as at the start: weights (the model's, in its dtype,
+    and under bf16 or ZeRO the fp32 master copy), Adam's moments and step count, and the learning rate."""
     # DeepSpeed creates Adam's moments lazily, at the first optimizer step. One step with learning rate 0 and zero
     # gradients creates them without moving any weight; everything is overwritten below.
     for group in engine.optimizer.param_groups:
@@ -616,14 +576,13 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     base_optimizer = torch_optimizer(engine)
     plain = engine.optimizer is base_optimizer  # ZeRO-0 in fp32, as in save_training_state
     for name, param in engine.module.named_parameters():
-        if plain:
-            state = engine.optimizer.state[param]
-            state["exp_avg"].copy_(moments[f"{name}.exp_avg"])
-            state["exp_avg_sq"].copy_(moments[f"{name}.exp_avg_sq"])
-        else:
+        if not plain:
             deepspeed.utils.safe_set_full_fp32_param(param, weights[name].to(device))
-            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg"].to(device), "exp_avg")
-            deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.exp_avg_sq"].to(device), "exp_avg_sq")
+        for moment in ("exp_avg", "exp_avg_sq"):
+            if plain:
+                engine.optimizer.state[param][moment].copy_(moments[f"{name}.{moment}"])
+            else:
+                deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.{moment}"].to(device), moment)
     for state in base_optimizer.state.values():
         state["step"] = torch.full_like(state["step"], saved["adam_step"]) if torch.is_tensor(state["step"]) \
             else saved["adam_step"]
@@ -648,8 +607,7 @@ def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
     return None
 
 def complete_checkpoints(checkpoint_dir: str) -> list[str]:
-    """The complete checkpoints of OUTPUT_DIR/resume, newest first: the one `latest` names, then the others (a folder
-    is complete once renamed from its .tmp)."""
+    """The complete checkpoints (renamed from .tmp) in CHECKPOINT_DIR, newest first, the one `latest` names first."""
     if not os.path.isdir(checkpoint_dir):
         return []
     names = sorted((name for name in os.listdir(checkpoint_dir) if re.fullmatch(r"iteration_\d+", name)),
@@ -678,8 +636,7 @@ def commit_checkpoint(path: str) -> None:
             shutil.rmtree(os.path.join(checkpoint_dir, old))
 
 def continue_metrics_file(path: str, iteration: int) -> None:
-    """On --resume, the run's metrics.jsonl keeps the lines of the iterations up to the checkpoint's and loses those
-    after it (logged by the killed run, they are logged again), and any line cut short by the kill."""
+    """On --resume, the metrics.jsonl keeps the lines up to the checkpoint's ITERATION: not later or cut-short ones."""
     if not os.path.isfile(path):
         return
     kept = []
