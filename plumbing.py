@@ -82,8 +82,7 @@ def is_hub_name(path: str) -> bool:
                 or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
 
 def check_model_folder(path: str, hint: str) -> None:
-    """A local model folder must hold a config and safetensors weights: pickle files (pytorch_model.bin) are never
-    loaded, since unpickling a file runs any code it holds. Checked before anything is loaded."""
+    """A local model folder must hold a config and safetensors weights: never pickle, whose loading runs its code."""
     if is_hub_name(path):
         return  # from_pretrained(use_safetensors=True) downloads only safetensors weights
     if not os.path.isdir(path):
@@ -140,8 +139,8 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
 def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool):
-    """The tokenizer with an EOS and a pad token distinct from it, added if missing (padding equal to EOS would mask
-    the real EOS like padding: DeepSpeed-Chat's trap). Returns it and whether the model's embeddings must grow."""
+    """The tokenizer, with an EOS and a pad token distinct from it (added if missing: padding equal to EOS would mask
+    the real EOS, DeepSpeed-Chat's trap), and whether it was added (the model's embeddings must then grow)."""
     tokenizer = load_tokenizer(path, hint, trust_remote_code)
     if tokenizer.eos_token_id is None:
         fail(f"the tokenizer of {path!r} has no EOS token; set one, or pick another with --tokenizer-name-or-path")
@@ -164,8 +163,7 @@ def model_config(path: str, disable_dropout: bool, trust_remote_code: bool, **kw
     return config
 
 def adamw(params, lr: float, weight_decay: float, offload: bool):
-    """AdamW: torch's fused one, which updates every weight in one kernel (the for-loop default launches several per
-    weight), or with --offload DeepSpeed's vectorised CPU Adam, since the step then runs on the CPU."""
+    """torch's fused AdamW (one kernel for all weights), or with --offload DeepSpeed's CPU Adam (the step is there)."""
     adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else functools.partial(
         torch.optim.AdamW, fused=get_accelerator().device_name() in ("cpu", "cuda"))
     return adam(params, lr=lr, weight_decay=weight_decay)
@@ -291,9 +289,9 @@ def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_le
     return prompts
 
 # --- Processes and ranks: the process group, the launcher watch, signals, and rank 0's work. ---
-def init_distributed(dtype: str) -> torch.device:
-    """Join the ranks' process group (RANK, LOCAL_RANK, WORLD_SIZE from deepspeed or torchrun; a plain `python` run
-    is one rank) and return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM."""
+def init_distributed(args) -> torch.device:
+    """Join the ranks (deepspeed or torchrun set RANK; plain `python` is one rank), set args.local_rank, world_size,
+    return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM."""
     watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -301,10 +299,10 @@ def init_distributed(dtype: str) -> torch.device:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     on_cpu = get_accelerator().device_name() == "cpu"
-    if dtype == "fp16" and on_cpu:
+    if args.dtype == "fp16" and on_cpu:
         fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    get_accelerator().set_device(local_rank)
+    args.local_rank = int(os.environ["LOCAL_RANK"])
+    get_accelerator().set_device(args.local_rank)
     if on_cpu:
         one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
@@ -314,7 +312,8 @@ def init_distributed(dtype: str) -> torch.device:
     if on_cpu:
         remove_shared_memory_file()
     stop_on_signals()
-    return torch.device(get_accelerator().device_name(local_rank))
+    args.world_size = dist.get_world_size()
+    return torch.device(get_accelerator().device_name(args.local_rank))
 
 def one_openmp_thread_for_new_threads() -> None:
     """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
@@ -362,10 +361,8 @@ def on_rank_0(function):
 
 def stop_on_signals() -> None:
     """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
-    def stop(signum, frame):
-        raise SystemExit(f"{script()}: error: stopped by {signal.Signals(signum).name}")
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: fail(f"stopped by {signal.Signals(signum).name}"))
 
 def watch_launcher() -> None:
     """Exit within seconds when the launcher dies: a killed `deepspeed` or `torchrun` leaves its ranks training and
@@ -423,6 +420,8 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     empty, an earlier output of this script (its training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock
     (host and pid) keeps a second run out while this one lives; a lock left by a killed run is taken over."""
     script_name = script()
+    if os.path.isfile(output_dir):
+        fail(f"--output-dir {output_dir!r} is a file; name a folder")
     real = os.path.realpath(output_dir)
     for flag, path in inputs.items():
         if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):

@@ -399,6 +399,8 @@ def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attent
 # ---------------------------------------------------------------------------------------------------------------
 # Checks of the arguments, models and numbers: a mistake stops the run with one line that says what to fix.
 # ---------------------------------------------------------------------------------------------------------------
+
+
 def check_args(args: Args) -> None:
     """Bad flags stop the script here, with a message that names them, before anything is loaded. The ranges are
     read from the fields' annotations (PositiveInt, Fraction, ...)."""
@@ -406,8 +408,6 @@ def check_args(args: Args) -> None:
     if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
         plumbing.fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score "
                       f"{args.clip_score}]: the score it replaces is clipped to [-clip_score, clip_score]")
-    if os.path.isfile(args.output_dir):
-        plumbing.fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
     if args.only_optimize_lora and not args.actor_lora_dim:
         plumbing.fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim "
                       "for the critic's)")
@@ -1058,8 +1058,7 @@ def aligned_overflow(actor, critic, enabled: bool):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    device = plumbing.init_distributed(args.dtype)
-    args.local_rank, args.world_size = int(os.environ["LOCAL_RANK"]), dist.get_world_size()
+    device = plumbing.init_distributed(args)
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
 
     # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's

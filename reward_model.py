@@ -64,11 +64,11 @@ class Args:
     model_name_or_path: str = "checkpoints/sft"
     """the model the reward model starts from: the SFT checkpoint (stage 1), a hub name or a local folder"""
     tokenizer_name_or_path: str | None = None
-    """the tokenizer, if not the model's own"""
+    """the tokenizer, when the model's own is not the one to use"""
     dataset: str = "toy_task/data"
-    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder"""
+    """the preference pairs: a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder"""
     train_split: str = "train"
-    """the split to train on"""
+    """the split of pairs to train on"""
     eval_split: str = "test"
     """the held-out split for accuracy"""
     prompt_column: str = "prompt"
@@ -96,19 +96,19 @@ class Args:
     per_device_eval_batch_size: PositiveInt = 32
     """pairs per rank per evaluation batch"""
     gradient_accumulation_steps: PositiveInt = 1
-    """micro-batches per optimizer step"""
+    """micro-batches of pairs accumulated into one optimizer step"""
     learning_rate: PositiveFloat = 4e-4
     """peak learning rate of AdamW (the toy default; real models of 1B parameters want about 1e-5)"""
     warmup_ratio: Fraction = 0.05
     """share of the optimizer steps spent warming the learning rate up, before its cosine decay to 0"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW's weight decay"""
     gradient_clipping: float = 1.0
-    """clip the gradient norm to this"""
+    """the largest gradient norm of an optimizer step; larger ones are scaled down to it"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, about a third more compute"""
+    """recompute the activations during the backward pass (less memory, about a third more compute)"""
     disable_dropout: bool = True
-    """set every dropout probability to 0 (the RLHF convention; --no-disable-dropout keeps the model's own)"""
+    """every dropout probability 0, as PPO's models have it (--no-disable-dropout keeps the model's own)"""
 
     # Reward normalization: the scores of the policy's own responses set reward_mean and reward_std
     normalization_samples: int = 1024
@@ -123,13 +123,13 @@ class Args:
 
     # DeepSpeed
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage: 0 plain data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters"""
+    """the reward model's ZeRO stage: 0 data parallel, 1 + optimizer states sharded, 2 + gradients, 3 + parameters"""
     offload: bool = False
-    """offload optimizer states (and, at ZeRO-3, parameters) to CPU memory"""
+    """keep the optimizer states (and at ZeRO-3 the parameters) in CPU memory"""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """training precision; fp16 needs a GPU"""
+    """precision of training and of the normalization's sampling; fp16 needs a GPU"""
     local_rank: int = -1
-    """this process's rank on its node, passed by the deepspeed launcher"""
+    """this process's rank on its node (the deepspeed launcher passes it)"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -251,25 +251,21 @@ def check_args(args: Args) -> None:
     if args.normalization_samples < 2:
         plumbing.fail(f"--normalization-samples must be at least 2 (a standard deviation needs two), not "
                       f"{args.normalization_samples}")
-    if os.path.isfile(args.output_dir):
-        plumbing.fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    device = plumbing.init_distributed(args.dtype)
-    args.local_rank = int(os.environ["LOCAL_RANK"])
-    args.world_size = dist.get_world_size()
-    is_main = dist.get_rank() == 0
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    # The output folder is checked, locked and claimed before anything loads: a run never trains for an hour to find
-    # that it cannot save, nor writes over a folder it does not own.
+    device = plumbing.init_distributed(args)
+    is_main = dist.get_rank() == 0
+    # As in sft.py, the output folder is claimed before anything loads; the policy's folder is an input too.
     plumbing.on_rank_0(lambda: plumbing.claim_output_dir(args.output_dir, {
         "--model-name-or-path": args.model_name_or_path, "--tokenizer-name-or-path": args.tokenizer_name_or_path,
         "--policy-model-name-or-path": args.policy_model_name_or_path, "--dataset": args.dataset}, args.overwrite))
     plumbing.on_rank_0(lambda: plumbing.make_run_dir(run_name))
 
+    # The seed decides the order of the pairs, the head's initialisation and the normalization's samples.
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)

@@ -106,7 +106,7 @@ class Args:
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """training precision; fp16 needs a GPU"""
     local_rank: int = -1
-    """this process's rank on its node, passed by the deepspeed launcher"""
+    """this process's rank on its node (the deepspeed launcher passes it; torchrun sets LOCAL_RANK)"""
 
     # Filled in at runtime
     world_size: int = 0
@@ -193,20 +193,13 @@ def evaluate(engine, loader, device) -> float:
     dist.all_reduce(total)
     engine.train()
     return (total[0] / total[1]).item()
-def check_args(args: Args) -> None:
-    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
-    plumbing.check_ranges(args)
-    if os.path.isfile(args.output_dir):
-        plumbing.fail(f"--output-dir {args.output_dir!r} is a file; name a folder")
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    check_args(args)
+    plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = plumbing.init_distributed(args.dtype)
-    args.local_rank = int(os.environ["LOCAL_RANK"])
-    args.world_size = dist.get_world_size()
+    device = plumbing.init_distributed(args)
     is_main = dist.get_rank() == 0
     # The output folder is checked, locked and claimed before anything loads: a run never trains for an hour to find
     # that it cannot save, nor writes over a folder it does not own.

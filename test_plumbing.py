@@ -396,8 +396,9 @@ def test_an_output_folder_is_never_destroyed(tmp_path, monkeypatch):
         (lambda: plumbing.claim_output_dir(str(notes), {}, False),
          "is not empty and holds no earlier output of sft.py; name a new or empty folder, or pass --overwrite"),
         (lambda: plumbing.claim_output_dir("/proc/x", {}, False), "cannot write to --output-dir '/proc/x'"),
+        (lambda: plumbing.claim_output_dir(str(notes / "notes.txt"), {}, True), "notes.txt' is a file; name a folder"),
     ])
-    assert os.listdir(notes) == ["notes.txt"]
+    assert os.listdir(notes) == ["notes.txt"] and (notes / "notes.txt").read_text() == "mine"
     # With --overwrite the model is written beside the user's file, and a stale weights file of another layout (here a
     # shard of an earlier save) goes, so that from_pretrained cannot mix it in.
     (notes / "model-00001-of-00002.safetensors").write_text("stale")

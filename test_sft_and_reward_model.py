@@ -216,10 +216,10 @@ def test_sft_bad_input(bad, tmp_path, capsys):
         (lambda: sft.tokenize_demonstrations(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
                                              tokenizer, sft.Args(max_seq_len=4), "train[:64]"),
          "no row of split 'train[:64]' fits --max-seq-len 4"),
-        (lambda: sft.check_args(sft.Args(learning_rate=-1.0)), "--learning-rate must be positive, not -1.0"),
-        (lambda: sft.check_args(sft.Args(num_train_epochs=0)), "--num-train-epochs must be at least 1, not 0"),
-        (lambda: sft.check_args(sft.Args(learning_rate=float("inf"))), "--learning-rate must be a finite number"),
-        (lambda: sft.check_args(sft.Args(output_dir=str(bad / "a_file"))), "a_file' is a file; name a folder"),
+        (lambda: plumbing.check_ranges(sft.Args(learning_rate=-1.0)), "--learning-rate must be positive, not -1.0"),
+        (lambda: plumbing.check_ranges(sft.Args(num_train_epochs=0)), "--num-train-epochs must be at least 1, not 0"),
+        (lambda: plumbing.check_ranges(sft.Args(learning_rate=float("inf"))),
+         "--learning-rate must be a finite number"),
     ])
     check_errors("sft.py", FEW_STEPS, [
         (["--max-seq-len", "1000"], "--max-seq-len 1000 is longer than the model's 128 positions"),
@@ -227,6 +227,7 @@ def test_sft_bad_input(bad, tmp_path, capsys):
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
         # The output folder is checked before any model loads: never the folder that holds the inputs.
         (["--output-dir", "."], "--output-dir '.' is or holds --model-name-or-path 'toy_task/base_model'"),
+        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--model-name-or-path", str(bad / "nan_weights")], "has weights that are not finite (inf or nan)"),
     ], tmp_path)
     with pytest.raises(SystemExit):
@@ -249,12 +250,11 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
          "--gradient-accumulation-steps must be at least 1, not 0"),
         (lambda: reward_model.check_args(reward_model.Args(normalization_samples=1)),
          "--normalization-samples must be at least 2"),
-        (lambda: reward_model.check_args(reward_model.Args(output_dir=str(bad / "a_file"))),
-         "a_file' is a file; name a folder"),
     ])
     check_errors("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL], [
         (["--rejected-column", "worse"], "has no column ['worse']"),
         (["--output-dir", BASE_MODEL], "is or holds --model-name-or-path"),
+        (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--model-name-or-path", str(bad / "pickle_only")],
          "has no model.safetensors; only safetensors weights are loaded"),
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
