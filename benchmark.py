@@ -23,7 +23,6 @@ import functools
 import inspect
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from transformers import (
 )
 from transformers.utils import logging
 
+import plumbing
 import ppo
 import rlhf_math
 
@@ -128,13 +128,6 @@ def build_models(args: Args, folder: str) -> None:
             f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in ids.tolist())}) + "\n")
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now: two runs side by side must not both take the launcher's default."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ppo_flags(args: Args, folder: str, ranks: int, stage: int, exp_name: str, iterations: int) -> list[str]:
     """ppo.py's flags for the benchmark's models and prompts, one rank's share of the episodes, at an actor ZeRO stage."""
     per_rank = args.episodes // ranks
@@ -165,7 +158,7 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     exp_name = f"benchmark_{ranks}ranks_zero{stage}"
     command = ["ppo.py", *ppo_flags(args, folder, ranks, stage, exp_name, args.warmup_iterations + args.iterations)]
     if ranks > 1:
-        command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+        command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", plumbing.free_port(),
                    *command]
     process = subprocess.Popen([sys.executable, *command], env=rank_env(ranks), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -425,7 +418,7 @@ def model_memory(args: Args, folder: str) -> list[dict]:
     """Bytes of parameters, gradients and optimizer state of ppo.py's four engines, built by ppo.py's own functions
     (one rank, ZeRO-0, fp32: the optimizer is then torch's own AdamW, whose state is all there is) and measured after
     one training step of actor and critic (gradients just before it)."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=plumbing.free_port())
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     ppo_args = ppo.Args(dtype="fp32", per_device_train_batch_size=4, gradient_accumulation_steps=1,
                         num_iterations=1)

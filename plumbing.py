@@ -102,10 +102,9 @@ def check_model_folder(path: str, hint: str) -> None:
         fail(f"{path!r} has no model weights (model.safetensors); {hint}")
 
 def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, **kwargs):
-    """model_class.from_pretrained(path) in safetensors, or a one-line error: a damaged weights file, or a weight that
-    the checkpoint lacks or that the model leaves unused (a head saved under another name would start random).
-    new_head: a fresh head on another model's checkpoint (a sequence classifier from a causal LM): only the weights
-    outside the backbone (transformers' base_model_prefix) may be missing from the checkpoint or unused in it."""
+    """model_class.from_pretrained(path) in safetensors, or one line: a damaged file, or a weight missing or unused (a
+    head saved under another name would start random). new_head: a fresh head on another model's checkpoint (a
+    classifier from a causal LM): only weights outside the backbone (base_model_prefix) may be missing or unused."""
     try:
         model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
@@ -293,11 +292,8 @@ def init_distributed(args) -> torch.device:
     """Join the ranks (deepspeed or torchrun set RANK; plain `python` is one rank), set args.local_rank, world_size,
     return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM."""
     watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))  # any free port for the one-rank process group
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if "RANK" not in os.environ:  # one rank, on any free port
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     on_cpu = get_accelerator().device_name() == "cpu"
     if args.dtype == "fp16" and on_cpu:
         fail("--dtype fp16 needs a GPU: DeepSpeed has no fp16 on CPU; use --dtype bf16 or fp32")
@@ -314,6 +310,12 @@ def init_distributed(args) -> torch.device:
     stop_on_signals()
     args.world_size = dist.get_world_size()
     return torch.device(get_accelerator().device_name(args.local_rank))
+
+def free_port() -> str:
+    """A TCP port free on this machine now, for a process group: two runs side by side must not take the same one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 def one_openmp_thread_for_new_threads() -> None:
     """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
@@ -532,9 +534,8 @@ def torch_optimizer(engine):
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
-    """What --resume needs of a trained engine: the fp32 master weights in model.safetensors and Adam's moments in
-    adam.safetensors, by the engine's own parameter names, each whole (gathered under ZeRO: every rank takes part,
-    rank 0 writes). Returns the optimizer's step count and the scheduler's state."""
+    """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors), whole, by the
+    engine's names (every rank takes part, rank 0 writes). Returns the optimizer's step and the scheduler's state."""
     # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
     # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
     base_optimizer = torch_optimizer(engine)

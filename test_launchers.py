@@ -116,7 +116,7 @@ def test_a_rank_waiting_for_the_other_node_stops_with_its_launcher(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline:  # until rank 0 listens on the port: it has begun to wait for rank 1
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex(("127.0.0.1", int(port))) == 0:
                 break
         time.sleep(0.2)
     node_0.kill()

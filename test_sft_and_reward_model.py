@@ -10,7 +10,6 @@ import math
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 import evaluate
 import plumbing
+from plumbing import free_port
 import ppo
 import reward_model
 import sft
@@ -35,24 +35,16 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_DISABLE_PROGRESS_BARS": "1
        "PYTHONWARNINGS": "ignore::FutureWarning", "TQDM_DISABLE": "1"}
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now, for a launcher's --master_port: two suites running side by side must
-    not both take the launcher's default, 29500."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launcher(ranks):
     """The deepspeed launcher's command for `ranks` ranks on this machine, on a free port."""
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-            str(free_port())]
+            free_port()]
 
 
 def torchrun(ranks):
     """torchrun's command for `ranks` ranks on this machine, on a free port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-            str(free_port())]
+            free_port()]
 
 
 def run(script, *flags, ranks=None, check=True, launch=launcher):
