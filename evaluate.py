@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 import rlhf_math
 from plumbing import CountInt, PositiveFloat, PositiveInt, Seed
-from ppo import response_logprobs, reward_model_inputs, reward_scores, sampling_config
+from ppo import response_logprobs, reward_scores, sampling_config
 from toy_task.gold_judge import gold_score
 
 
@@ -193,8 +193,8 @@ def answer(policy, sft, reward, tokenizer, reward_tokenizer, prompts: list[list[
         responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
         sequences = torch.cat([prompt_ids, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        scored = reward_model_inputs(sequences, attention_mask, P, tokenizer, reward_tokenizer)  # its own tokens
-        result["scores"] += reward_scores(reward, *scored, reward_mean, reward_std).tolist()
+        result["scores"] += reward_scores(reward, sequences, attention_mask, P, reward_mean, reward_std, tokenizer,
+                                          reward_tokenizer).tolist()  # in the reward model's own tokens
         result["lengths"] += response_mask.sum(dim=1).tolist()
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         result["responses"] += texts
