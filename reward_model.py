@@ -283,8 +283,10 @@ if __name__ == "__main__":
     # Data
     columns = [args.chosen_column, args.rejected_column]
     columns = columns if args.split_conversations else [args.prompt_column, *columns]
-    train_data, eval_data = (tokenize_pairs(plumbing.load_split(args.dataset, split, columns), tokenizer, args, split)
-                             for split in (args.train_split, args.eval_split))
+    train_data = tokenize_pairs(plumbing.load_split(args.dataset, args.train_split, columns), tokenizer, args,
+                                args.train_split)
+    eval_data = tokenize_pairs(plumbing.load_split(args.dataset, args.eval_split, columns), tokenizer, args,
+                               args.eval_split)
     collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     train_sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler,
