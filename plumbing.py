@@ -302,9 +302,7 @@ def init_distributed(args) -> torch.device:
     if on_cpu:
         one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
-    # Leave the process group before Python shuts down: a gloo group alive at interpreter exit aborts the process now
-    # and then ("terminate called without an active exception", -6; torch 2.13). Tests run a script several times.
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # see wait_for_every_rank
     if on_cpu:
         remove_shared_memory_file()
     stop_on_signals()
@@ -347,6 +345,11 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # another user's
     return pid > 0
+
+def wait_for_every_rank() -> None:
+    """The last call of a finished run: ranks wait for one another (rank 0 may be writing), so that no gloo thread still
+    frees tensors as Python shuts down ("terminate called without an active exception", -6, now and then)."""
+    dist.barrier()
 
 def on_rank_0(function):
     """function() on rank 0 only, its result (or the message it stopped with) sent to every rank."""
@@ -563,8 +566,7 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
 def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
     """Restore what save_training_state wrote into an engine built as at the start: weights (the model's, in its dtype,
     and under bf16 or ZeRO the fp32 master copy), Adam's moments and step count, and the learning rate."""
-    # DeepSpeed creates Adam's moments lazily, at the first optimizer step. One step with learning rate 0 and zero
-    # gradients creates them without moving any weight; everything is overwritten below.
+    # Adam's moments appear at the first step: one with lr 0 and zero gradients makes them; all is overwritten below.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
     for _ in range(engine.gradient_accumulation_steps()):
@@ -591,8 +593,7 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
         group["lr"] = lr
 
 def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
-    """Why FOLDER cannot restore ENGINE, or None: its model.safetensors (and for a trained engine adam.safetensors)
-    must be whole safetensors files that hold a tensor for every parameter (and Adam's two moments of each)."""
+    """Why FOLDER cannot restore ENGINE (model.safetensors, and adam.safetensors if trained, whole and complete)."""
     names = {name for name, _ in engine.module.named_parameters()}
     files = {"model.safetensors": names}
     if trained:
@@ -619,8 +620,7 @@ def complete_checkpoints(checkpoint_dir: str) -> list[str]:
     return [os.path.join(checkpoint_dir, name) for name in names]
 
 def commit_checkpoint(path: str) -> None:
-    """Rank 0: the checkpoint written in PATH.tmp is flushed to disk, renamed to PATH once complete, and only then
-    named in `latest` beside it. The one before it is kept, for a latest that cannot be read; older ones go."""
+    """Rank 0: PATH.tmp flushed and renamed to PATH, then named in `latest`; one older kept (if latest is damaged)."""
     checkpoint_dir = os.path.dirname(path)
     fsync_tree(path + ".tmp")
     shutil.rmtree(path, ignore_errors=True)
