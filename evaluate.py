@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 import rlhf_math
 from plumbing import CountInt, PositiveFloat, PositiveInt, Seed
-from ppo import response_logprobs, reward_scores, sampling_config
+from ppo import response_logprobs, reward_scores, sampling_config, score_normalization
 from toy_task.gold_judge import gold_score
 
 
@@ -79,13 +79,6 @@ class Args:
     writable folder that is not, and does not hold, a model or the data set read here"""
     trust_remote_code: bool = False
     """allow models and tokenizers whose code comes with their hub repository"""
-
-
-def check_args(args: Args) -> None:
-    """Bad flags stop the script here, with a message that names them, before anything is loaded: every float flag
-    finite (first, so that nan is named as such), every flag in the range its annotation names."""
-    plumbing.check_finite_args(args)
-    plumbing.check_ranges(args)
 
 
 def check_output_dir(args: Args) -> None:
@@ -305,7 +298,7 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    check_args(args)
+    plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
     check_output_dir(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.snapshots_dir is None:
@@ -331,13 +324,12 @@ if __name__ == "__main__":
     if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
         reward_tokenizer = None
     prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
-                           args.assistant_marker if args.split_conversations else None)
+                                    args.assistant_marker if args.split_conversations else None)
 
     sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
     ppo = load_model(AutoModelForCausalLM, args.ppo_model, "check --ppo-model", args, device)
     reward = load_model(AutoModelForSequenceClassification, args.reward_model, "check --reward-model", args, device)
-    reward_mean = getattr(reward.config, "reward_mean", 0.0)
-    reward_std = getattr(reward.config, "reward_std", 1.0)
+    reward_mean, reward_std = score_normalization(reward.config)
 
     # ppo.py's sampling settings. The models' own generation_config.json is replaced, so that nothing in it (a
     # repetition penalty, min_new_tokens) changes what is sampled.

@@ -802,11 +802,10 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
 def start_logging(run: dict, start_iteration: int, args: Args):
     """Rank 0's tensorboard writer and metrics.jsonl of the run, with the hyperparameters as a table. A resumed run
     continues its own logs: the events and metrics lines after its checkpoint are dropped."""
-    run_dir = os.path.join("runs", run["run_name"])
     writer = plumbing.start_tensorboard(run["run_name"], args,
                                         purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
     plumbing.continue_metrics_file(run["metrics_file"], start_iteration)
-    print(f"{args.num_iterations} iterations of {args.batch_size} episodes; logging to {run_dir}")
+    print(f"{args.num_iterations} iterations of {args.batch_size} episodes; logging to {writer.log_dir}")
     return writer, open(run["metrics_file"], "a")
 
 def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:

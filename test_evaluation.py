@@ -104,11 +104,11 @@ def stops_with(function, *args) -> str:
     (["--seed", "-1"], "--seed must be between 0 and 2**32 - 1"),
 ])
 def test_bad_flags_stop_with_one_line(flags, message):
-    assert message in stops_with(evaluate.check_args, tyro.cli(Args, args=flags))
+    assert message in stops_with(plumbing.check_ranges, tyro.cli(Args, args=flags))
 
 
 def test_the_default_flags_pass():
-    evaluate.check_args(Args())
+    plumbing.check_ranges(Args())
 
 
 def test_output_dir_that_is_or_holds_an_input_is_refused(tmp_path):
