@@ -302,7 +302,7 @@ def init_distributed(args) -> torch.device:
     if on_cpu:
         one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # see wait_for_every_rank
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # see end_run
     if on_cpu:
         remove_shared_memory_file()
     stop_on_signals()
@@ -316,11 +316,9 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 def one_openmp_thread_for_new_threads() -> None:
-    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread; this one keeps its own.
-    gloo's worker threads, which run the collectives, would each start an OpenMP team at their first large copy; with
-    more OpenMP threads than cores, libgomp sleeps instead of spinning and every op waits for its threads to wake
-    (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). torch.set_num_threads sets the caller's count and the default
-    of new threads, so a short-lived thread calls it (torch 2.13: test_new_threads_take_one_openmp_thread)."""
+    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread. gloo's threads, which run
+    the collectives, would each start an OpenMP team, more threads than cores, and libgomp sleeps instead of spinning
+    (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). set_num_threads in a short-lived thread sets the default."""
     torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
     setter = threading.Thread(target=torch.set_num_threads, args=(1,))
     setter.start()
@@ -328,8 +326,7 @@ def one_openmp_thread_for_new_threads() -> None:
 
 def remove_shared_memory_file() -> None:
     """DeepSpeed's CPU shared-memory all-reduce (unused here) gives each rank a 66 MB file in /dev/shm that it never
-    removes. Once every rank has joined (and mapped the others' files) each removes its own name, and the memory goes
-    with the last rank (the name of DeepSpeed 0.19.8's shm.cpp; a job across nodes or under torchrun makes none)."""
+    removes. Once every rank has mapped the others' files each removes its own name (DeepSpeed 0.19.8's shm.cpp)."""
     dist.barrier()  # every rank has mapped every rank's file
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
             f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
@@ -346,19 +343,22 @@ def pid_alive(pid: int) -> bool:
         return True  # another user's
     return pid > 0
 
-def wait_for_every_rank() -> None:
-    """The last call of a finished run: ranks wait for one another (rank 0 may be writing), so that no gloo thread still
-    frees tensors as Python shuts down ("terminate called without an active exception", -6, now and then)."""
+def end_run() -> None:
+    """Last call of a finished run: ranks wait for one another; several then skip Python's shutdown, where a gloo
+    thread freeing a tensor dies in a C++ destructor: "terminate called without an active exception" (gdb; 1 in 10)."""
     dist.barrier()
+    if dist.get_world_size() > 1:  # one rank returns: the tests run stages in their own process
+        atexit._run_exitfuncs()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
 
 def on_rank_0(function):
     """function() on rank 0 only, its result (or the message it stopped with) sent to every rank."""
     result = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            result = [function(), None]
-        except SystemExit as stop:
-            result = [None, str(stop)]
+    try:
+        result = [function(), None] if dist.get_rank() == 0 else result
+    except SystemExit as stop:
+        result = [None, str(stop)]
     dist.broadcast_object_list(result, src=0)
     if result[1] is not None:
         raise SystemExit(result[1])

@@ -1237,4 +1237,4 @@ if __name__ == "__main__":
               f"in {time.time() - start_time:.0f}s")
         metrics_file.close()
         writer.close()
-    plumbing.wait_for_every_rank()
+    plumbing.end_run()

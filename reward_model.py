@@ -457,4 +457,4 @@ if __name__ == "__main__":
     if is_main:
         print(f"saved the reward model to {args.output_dir}")
         writer.close()
-    plumbing.wait_for_every_rank()
+    plumbing.end_run()

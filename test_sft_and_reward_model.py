@@ -154,6 +154,7 @@ def test_reward_model_two_ranks_zero3(sft_checkpoint, tmp_path):
                  "--output-dir", str(tmp_path / "rm"), "--normalization-samples", "64", ranks=2)
     assert "reward normalization: on 64 responses" in result.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
+    assert not (tmp_path / "rm" / ".lock").exists()  # plumbing.end_run ran the exit handlers before leaving
 
 
 # ---------------------------------------------------------------------------------------------------------------
