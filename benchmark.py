@@ -7,8 +7,8 @@ of ppo.py needs, done through ppo.py's own helpers on plain torch models (time_l
 cache and the same stopping, the no-gradient forward passes of actor, reference, critic and reward in the same
 micro-batches, the rewards, GAE and whitening, and for each mini-batch the forward, backward, gradient clipping and
 fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statistics, no logging and no learning-rate
-schedule: less work than ppo.py's iteration. Responses are forced to full length: the benchmark's tokenizer
-puts EOS outside the models' vocabulary, so no model can sample it.
+schedule: less work than ppo.py's iteration. Every iteration does the same work: generation runs to full length
+while any response is open, and a random model samples the EOS, one token in vocab_size + 1, too rarely to close all.
 
     python benchmark.py                       # the default CPU shape (about 6 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
@@ -107,14 +107,15 @@ class Args:
 
 def build_models(args: Args, folder: str) -> None:
     """A random policy (actor and reference) and a random reward model (critic and reward), with a word-level
-    tokenizer whose EOS id is vocab_size: outside every model's vocabulary, so responses always run to full length."""
+    tokenizer whose EOS, id vocab_size, has the models' last embedding row (ppo.py refuses a token without one)."""
     words = ["<pad>"] + [f"w{i}" for i in range(1, args.vocab_size)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(["<pad>", "<eos>"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
-    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                         num_attention_heads=args.num_heads, intermediate_size=args.intermediate_size,
+    config = LlamaConfig(vocab_size=args.vocab_size + 1, hidden_size=args.hidden_size,
+                         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                         intermediate_size=args.intermediate_size,
                          max_position_embeddings=args.prompt_len + args.response_len, pad_token_id=0, num_labels=1,
                          tie_word_embeddings=False)
     torch.manual_seed(0)

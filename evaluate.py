@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 import rlhf_math
 from plumbing import CountInt, PositiveFloat, PositiveInt, Seed
-from ppo import response_logprobs, reward_scores, sampling_config, score_normalization
+from ppo import check_score_head, response_logprobs, reward_scores, sampling_config, score_normalization
 from toy_task.gold_judge import gold_score
 
 
@@ -320,15 +320,18 @@ if __name__ == "__main__":
         plumbing.fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check "
                       "--ppo-model")
     # A reward model with a tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
-    reward_tokenizer = plumbing.load_tokenizer(args.reward_model, "check --reward-model", args.trust_remote_code)
-    if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
-        reward_tokenizer = None
+    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model, "check --reward-model", tokenizer,
+                                                     args.trust_remote_code)
+    for path, flag, path_tokenizer in [(args.sft_model, "--sft-model", tokenizer), (args.ppo_model, "--ppo-model",
+                                       tokenizer), (args.reward_model, "--reward-model", reward_tokenizer)]:
+        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
     prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
                                     args.assistant_marker if args.split_conversations else None)
 
     sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
     ppo = load_model(AutoModelForCausalLM, args.ppo_model, "check --ppo-model", args, device)
     reward = load_model(AutoModelForSequenceClassification, args.reward_model, "check --reward-model", args, device)
+    check_score_head(reward, args.reward_model, "--reward-model")
     reward_mean, reward_std = score_normalization(reward.config)
 
     # ppo.py's sampling settings. The models' own generation_config.json is replaced, so that nothing in it (a

@@ -109,6 +109,14 @@ def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, *
         model, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True, **kwargs)
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         fail(f"cannot load the model in {path!r} ({' '.join(str(error).split())[:300]}); {hint}")
+    except RuntimeError as error:  # a weight whose shape is not the config's: transformers names it in a printed table
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        _, info = model_class.from_pretrained(path, use_safetensors=True, output_loading_info=True,
+                                              ignore_mismatched_sizes=True, **kwargs)
+        name, saved, wanted = sorted(info["mismatched_keys"])[0]
+        fail(f"the weights in {path!r} do not fit its config.json: {name} is {list(saved)} there, {list(wanted)} by "
+             f"the config (another vocabulary size, or number of labels); {hint}")
     checked = f"{model.base_model_prefix}." if new_head else ""  # the names that must match: all, or the backbone's
     missing = sorted(name for name in info["missing_keys"] if name.startswith(checked))
     unexpected = sorted(name for name in info["unexpected_keys"] if name.startswith(checked))
@@ -137,10 +145,12 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
     except (OSError, ValueError) as error:
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
-def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool):
+def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool, model_path: str):
     """The tokenizer, with an EOS and a pad token distinct from it (added if missing: padding equal to EOS would mask
-    the real EOS, DeepSpeed-Chat's trap), and whether it was added (the model's embeddings must then grow)."""
+    the real EOS, DeepSpeed-Chat's trap), and whether it was added (the model's embeddings must then grow); every
+    other token must have a row in the embeddings of the model at MODEL_PATH."""
     tokenizer = load_tokenizer(path, hint, trust_remote_code)
+    check_vocabulary(tokenizer, model_path, hint, trust_remote_code)
     if tokenizer.eos_token_id is None:
         fail(f"the tokenizer of {path!r} has no EOS token; set one, or pick another with --tokenizer-name-or-path")
     added_pad_token = tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id
@@ -149,6 +159,27 @@ def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_ma
         if is_main:
             print(f"the tokenizer had no pad token distinct from EOS: added '<|pad|>' (id {tokenizer.pad_token_id})")
     return tokenizer, added_pad_token
+
+def check_vocabulary(tokenizer, path: str, hint: str, trust_remote_code: bool, added: int = 0) -> None:
+    """Every token of TOKENIZER but the ADDED ones (which the caller resizes the embeddings for) has a row in the
+    embeddings of the model at PATH (config.json's vocab_size): tokens added without resize_token_embeddings would index
+    past them, an IndexError deep inside the model."""
+    rows = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config().vocab_size
+    if len(tokenizer) - added > rows:
+        fail(f"the tokenizer has {len(tokenizer) - added} tokens but the model in {path!r} embeds only {rows}: tokens "
+             "were added to it without model.resize_token_embeddings(len(tokenizer)); resize the model's embeddings "
+             f"and save it with its tokenizer, or {hint}")
+
+def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: bool):
+    """The tokenizer of the model at PATH if its tokens are not TOKENIZER's (text is then tokenized again for it, which
+    needs its own EOS and pad token), else None."""
+    other = load_tokenizer(path, hint, trust_remote_code)
+    if other.get_vocab() == tokenizer.get_vocab():
+        return None
+    if other.eos_token_id is None or other.pad_token_id is None:
+        fail(f"the tokenizer of {path!r} has other tokens than the policy's, and reads its text tokenized again: it "
+             f"needs an EOS and a pad token; set them and save it, or {hint}")
+    return other
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,6 +223,10 @@ def load_split(dataset: str, split: str, columns: list[str], flag: str = "--data
         fail(f"{flag} {dataset!r} is not a {kinds} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
         fail(f"{flag} {dataset!r} is an empty file")
+    scripts = [name for name in os.listdir(dataset) if name.endswith(".py")] if os.path.isdir(dataset) else []
+    if scripts:
+        fail(f"{flag} {dataset!r} holds a loading script ({scripts[0]}): code, which is never run here; give the data "
+             f"as {kinds} files")
     try:
         if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
             kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
@@ -274,6 +309,10 @@ def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_le
                  assistant_marker: str | None = None) -> list:
     """The token ids of every prompt of a split that fits max_prompt_len; longer ones are dropped and counted."""
     data = load_split(dataset, split, [column])
+    hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
+    if assistant_marker is None and column in ("chosen", "rejected") and hh_rlhf:
+        fail(f"column {column!r} of {dataset!r} holds whole conversations, answers included (the hh-rlhf layout); pass "
+             "--split-conversations to take each prompt up to its last assistant marker")
     prompts, too_long = [], 0
     for i, row in enumerate(data):
         ids = prompt_ids(tokenizer, row, i, column, split, assistant_marker)
@@ -427,10 +466,16 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     script_name = script()
     if os.path.isfile(output_dir):
         fail(f"--output-dir {output_dir!r} is a file; name a folder")
+    if os.path.islink(output_dir) and not os.path.exists(output_dir):
+        fail(f"--output-dir {output_dir!r} is a link to {os.readlink(output_dir)!r}, which does not exist; make that "
+             "folder or name another")
     real = os.path.realpath(output_dir)
     for flag, path in inputs.items():
         if path and os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
             fail(f"--output-dir {output_dir!r} is or holds {flag} {path!r}, which this run reads; name another folder")
+        if path and os.path.isdir(path) and real.startswith(os.path.realpath(path) + os.sep):
+            fail(f"--output-dir {output_dir!r} is inside {flag} {path!r}, which this run reads (its files would "
+                 "become part of it); name a folder outside it")
     ours = (read_record(output_dir) or {}).get("script") == script_name
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         if not ours:
@@ -472,18 +517,18 @@ def make_run_dir(run_name: str) -> str:
 def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
     """The model as an ordinary Hugging Face folder (safetensors of state_dict or the model's own, tokenizer, record),
     written in OUTPUT_DIR/.saving, flushed and moved into place file by file: a run killed while saving leaves the
-    earlier model whole. Weight files of an earlier save that this one does not write are removed."""
+    earlier model whole. Files that an earlier save wrote (its record lists them) and this one does not are removed."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, ".saving")
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        write_json(os.path.join(staging, RECORD), record)
+        saved = os.listdir(staging) + [RECORD]
+        write_json(os.path.join(staging, RECORD), {**record, "files": sorted(saved)})
         fsync_tree(staging)
-        saved = os.listdir(staging)
-        for name in os.listdir(output_dir):
-            if name.startswith("model") and ".safetensors" in name and name not in saved:
+        for name in set((read_record(output_dir) or {}).get("files", [])) - set(saved):
+            with contextlib.suppress(FileNotFoundError):  # an earlier save's file (its record names it) not written now
                 os.remove(os.path.join(output_dir, name))
         for name in sorted(saved, key=lambda name: name == RECORD):  # the record last: it says the folder is complete
             os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
@@ -634,6 +679,13 @@ def commit_checkpoint(path: str) -> None:
     for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
         if old.startswith("iteration_") and old not in keep:
             shutil.rmtree(os.path.join(checkpoint_dir, old))
+
+def remove_earlier_runs(folder: str, run_name: str, record_of) -> None:
+    """Rank 0, as a run writes into FOLDER (snapshots/, resume/): each subfolder whose record (record_of(path)) names
+    another run of this script goes; nothing else does. An earlier run's work stays until then."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if (record_of(os.path.join(folder, name)) or {}).get("run_name") not in (None, run_name):
+            shutil.rmtree(os.path.join(folder, name))
 
 def continue_metrics_file(path: str, iteration: int) -> None:
     """On --resume, the metrics.jsonl keeps the lines up to the checkpoint's ITERATION: not later or cut-short ones."""

@@ -18,8 +18,9 @@ are off by default, each behind its flag.
 
 import contextlib
 import json
+import math
 import os
-import shutil
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
@@ -312,7 +313,12 @@ def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
 def score_normalization(config) -> tuple[float, float]:
     """The reward_mean and reward_std that reward_model.py stored in a model's config: the mean and standard deviation
     of its scores of the SFT policy's responses. (0, 1), no normalization, for a config without them."""
-    return getattr(config, "reward_mean", 0.0), getattr(config, "reward_std", 1.0)
+    mean, std = getattr(config, "reward_mean", 0.0), getattr(config, "reward_std", 1.0)
+    if not (all(isinstance(value, (int, float)) and math.isfinite(value) for value in (mean, std)) and std > 0):
+        plumbing.fail(f"the score normalization in {config.name_or_path!r}'s config.json, reward_mean {mean!r} and "
+                      f"reward_std {std!r}, must be numbers with reward_std > 0: run reward_model.py again on it, or "
+                      "delete both for none")
+    return mean, std
 
 def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
                         reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -435,21 +441,19 @@ def check_models(args: Args, is_main: bool):
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         plumbing.fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
                       "a model saved by sft.py has one")
-    reward_tokenizer = plumbing.load_tokenizer(args.reward_model_name_or_path, "check --reward-model-name-or-path",
-                                               args.trust_remote_code)
-    if reward_tokenizer.get_vocab() == tokenizer.get_vocab():
-        reward_tokenizer = None
-    elif reward_tokenizer.eos_token_id is None or reward_tokenizer.pad_token_id is None:
-        plumbing.fail(f"the tokenizer of the reward model {args.reward_model_name_or_path!r} needs an EOS and a pad "
-                      "token; a model saved by reward_model.py has both")
+    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model_name_or_path, "check "
+                                                     "--reward-model-name-or-path", tokenizer, args.trust_remote_code)
     # The critic reads the actor's tokens: a reward model that reads others cannot be its start.
     critic_path = args.critic_model_name_or_path or \
         (args.actor_model_name_or_path if reward_tokenizer else args.reward_model_name_or_path)
     plumbing.check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
+    for path, flag, path_tokenizer in [(args.actor_model_name_or_path, "actor", tokenizer), (critic_path, "critic",
+                                       tokenizer), (args.reward_model_name_or_path, "reward", reward_tokenizer)]:
+        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check --{flag}-model-name-or-path",
+                                  args.trust_remote_code)
     if reward_tokenizer and is_main:
-        print(f"the reward model has another tokenizer than the actor: every prompt + response is decoded to text "
-              f"and tokenized again for it; the critic starts from {critic_path!r}"
-              + (" with a fresh value head" if critic_path == args.actor_model_name_or_path else ""))
+        print("the reward model has another tokenizer than the actor: every prompt + response is decoded to text and "
+              f"tokenized again for it; the critic starts from {critic_path!r}")
     actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
     if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
         plumbing.fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer "
@@ -533,11 +537,17 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     # transformers would otherwise keep an fp16 checkpoint in fp16 in an fp32 run.
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
         else torch.float32
-    # A critic from a causal LM (the actor, when the reward model reads other tokens) gets a fresh 1-label head.
+    # A critic from a causal LM (the actor, when the reward model reads other tokens) gets a fresh 1-label head; a
+    # reward model, frozen, must bring its trained one.
     new_head = model_class is AutoModelForSequenceClassification and \
         any(name.endswith("ForCausalLM") for name in config.architectures or [])
+    if new_head and learning_rate is None:
+        plumbing.fail(f"{path!r} is a causal language model, not a reward model: its score head would start random; "
+                      f"name a folder that reward_model.py wrote ({flag})")
     if new_head:
         config.num_labels = 1
+        if dist.get_rank() == 0:
+            print(f"the critic starts from {path!r} with a fresh value head")
     model = plumbing.load_pretrained(model_class, path, f"check {flag}", new_head=new_head, config=config, dtype=dtype,
                                      trust_remote_code=args.trust_remote_code)
     if lora_dim:
@@ -559,11 +569,11 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
     return plumbing.initialize_engine(model, ds_config, optimizer, scheduler)
 
-def check_score_head(engine, name: str) -> None:
-    """Critic and reward model are sequence classifiers whose head we apply at every position."""
-    if not isinstance(getattr(engine.module, "score", None), torch.nn.Linear) or engine.module.config.num_labels != 1:
-        plumbing.fail(f"the {name} must be a 1-label AutoModelForSequenceClassification with a linear `score` head "
-                      "(as reward_model.py saves it)")
+def check_score_head(model, path: str, flag: str) -> None:
+    """Critic and reward model are sequence classifiers of one score, whose head we apply at every position."""
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear) or model.config.num_labels != 1:
+        plumbing.fail(f"{path!r} must be a 1-label AutoModelForSequenceClassification with a linear `score` head, as "
+                      f"reward_model.py saves it (it has {model.config.num_labels} labels); check {flag}")
 
 def build_engines(args: Args, critic_path: str):
     """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
@@ -591,8 +601,8 @@ def build_engines(args: Args, critic_path: str):
     reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
                          "--reward-model-name-or-path",
                          deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
-    check_score_head(critic, "critic")
-    check_score_head(reward, "reward model")
+    check_score_head(reward.module, args.reward_model_name_or_path, "--reward-model-name-or-path")
+    check_score_head(critic.module, critic_path, "--critic-model-name-or-path")
     # Each weights file is checked once: the reference (and the EMA) load the actor's, and the critic, unless
     # --critic-model-name-or-path is set, the reward model's.
     plumbing.check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
@@ -676,11 +686,17 @@ RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_
                      "offload_reward_model", "gather_weights_for_rollout", "actor_gradient_checkpointing",
                      "critic_gradient_checkpointing", "release_inference_cache", "unpin_actor_parameters",
                      "tp_gather_partition_size"]
+RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gradient_accumulation_steps",
+                  "num_iterations"]  # Args' fields filled in at runtime
 
 def changed_settings(saved: dict, args: Args) -> list[str]:
-    """The settings of this run that differ from those a checkpoint was written with, but for RESUME_MAY_CHANGE."""
-    return [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
-            if name not in RESUME_MAY_CHANGE and name in saved and saved[name] != value]
+    """The settings of this run that differ from those a checkpoint was written with, but for RESUME_MAY_CHANGE: the
+    flags, and the number of ranks (the other runtime fields follow from them)."""
+    changed = [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
+               if name not in RESUME_MAY_CHANGE + RUNTIME_FIELDS and name in saved and saved[name] != value]
+    if saved.get("world_size", args.world_size) != args.world_size:
+        changed.append(f"the number of ranks {saved['world_size']} (now {args.world_size})")
+    return changed
 
 def read_state(checkpoint: str) -> dict | None:
     """A checkpoint's state.json, or None if it does not read."""
@@ -707,7 +723,7 @@ def start_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads (plumbing.claim_output_dir), and the run they lead
     to: a new run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed
     (changed_settings). Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to resume
-    from, newest first."""
+    from, newest first. Nothing is written but the claim: a new run's record waits for start_logging."""
     inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
@@ -717,7 +733,8 @@ def start_run(args: Args) -> dict:
         record = {}
     plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite)
     checkpoint_dir = os.path.join(args.output_dir, "resume")
-    checkpoints = plumbing.complete_checkpoints(checkpoint_dir) if record else []
+    checkpoints = [checkpoint for checkpoint in plumbing.complete_checkpoints(checkpoint_dir) if record and  # its own
+                   (read_state(checkpoint) or {}).get("run_name", record.get("run_name")) == record.get("run_name")]
     if args.resume:
         if "run_name" not in record:
             plumbing.fail(f"--resume: no run of ppo.py in {args.output_dir!r} to continue")
@@ -737,37 +754,40 @@ def start_run(args: Args) -> dict:
             plumbing.fail(f"{args.output_dir!r} holds checkpoints of an unfinished run "
                           f"({os.path.basename(checkpoints[0])}): continue it with --resume, or pass --overwrite to "
                           "start a new run, which deletes them")
-        if record:  # an earlier run's checkpoints and snapshots, which this run replaces
-            for folder in ["resume", "snapshots"]:
-                shutil.rmtree(os.path.join(args.output_dir, folder), ignore_errors=True)
-        checkpoints = []
+        checkpoints = []  # the earlier run's record, checkpoints and snapshots stay until this run writes its own
         run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
         metrics_file = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
-        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD), {
-            "script": "ppo.py", "finished": False, "run_name": run_name, "metrics_file": metrics_file,
-            "args": asdict(args)})
     plumbing.make_run_dir(run_name)
     return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints}
 
-def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, args: Args) -> None:
+def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name: str, args: Args) -> None:
     """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
     EMA's weights), the iteration and the KL coefficient, written whole or not at all (plumbing.commit_checkpoint).
-    Every rank takes part (ZeRO gathers); rank 0 writes."""
+    Every rank takes part (ZeRO gathers); rank 0 writes, and removes an earlier run's checkpoints."""
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
     try:
-        state = {"iteration": iteration, "kl_coef": kl_coef, "args": asdict(args),
+        state = {"iteration": iteration, "kl_coef": kl_coef, "args": asdict(args), "run_name": run_name,
                  "actor": plumbing.save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
                  "critic": plumbing.save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
         if ema is not None:
             plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
         if is_main:
             plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
+            plumbing.remove_earlier_runs(checkpoint_dir, run_name, read_state)
             plumbing.commit_checkpoint(path)
     except OSError as error:  # a full disk, a folder made read-only meanwhile
         plumbing.fail(f"cannot write the checkpoint {path!r} ({error}); the one before it, if any, can be resumed "
                       "from")
+
+def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) -> None:
+    """The actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N; an earlier run's snapshots go now."""
+    snapshots = os.path.join(args.output_dir, "snapshots")
+    if dist.get_rank() == 0:
+        plumbing.remove_earlier_runs(snapshots, saved_by["run_name"], plumbing.read_record)
+    plumbing.save_engine_folder(actor, tokenizer, os.path.join(snapshots, f"iteration_{iteration}"),
+                                {**saved_by, "iteration": iteration, "finished": False}, merged_state_dict)
 
 def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device) -> tuple[int, float]:
     """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
@@ -800,8 +820,13 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
 # Logging: TRL's metric names (README, "Metrics"), to tensorboard, metrics.jsonl and, with --track, wandb.
 # ---------------------------------------------------------------------------------------------------------------
 def start_logging(run: dict, start_iteration: int, args: Args):
-    """Rank 0's tensorboard writer and metrics.jsonl of the run, with the hyperparameters as a table. A resumed run
-    continues its own logs: the events and metrics lines after its checkpoint are dropped."""
+    """Rank 0's tensorboard writer and metrics.jsonl of the run, with the hyperparameters as a table, once every input
+    has loaded; a new run's record replaces an earlier run's now. A resumed run continues its own logs: the events and
+    metrics lines after its checkpoint are dropped."""
+    if not args.resume:
+        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD), {
+            "script": "ppo.py", "finished": False, "run_name": run["run_name"], "metrics_file": run["metrics_file"],
+            "args": asdict(args)})
     writer = plumbing.start_tensorboard(run["run_name"], args,
                                         purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
     plumbing.continue_metrics_file(run["metrics_file"], start_iteration)
@@ -930,8 +955,9 @@ def add_lora(model, lora_dim: int, args: Args):
                                   exclude_modules=["score"] if hasattr(model, "score") else None)
     try:
         model = peft.inject_adapter_in_model(lora_config, model)  # freezes all but the adapters
-    except ValueError as error:  # no module matches
-        plumbing.fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}")
+    except (ValueError, re.error) as error:  # no module matches, or a regular expression that does not compile
+        plumbing.fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}; give "
+                      "'all-linear', or a regular expression that matches some of the model's modules")
     if not args.only_optimize_lora:
         model.requires_grad_(True)  # DeepSpeed-Chat's default: the adapters train alongside the whole model
     return model
@@ -987,6 +1013,8 @@ def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor:
     text_data = plumbing.load_split(args.unsup_dataset, "train", [args.unsup_text_column], "--unsup-dataset",
                                     args.unsup_dataset_config, (".txt", ".json", ".jsonl", ".parquet"))
     texts = [text for text in text_data[args.unsup_text_column] if isinstance(text, str) and text.strip()]
+    if not texts:
+        plumbing.fail(f"--unsup-dataset {args.unsup_dataset!r} holds no text, only blank lines or empty cells")
     token_stream = [t for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
                     for t in ids + [tokenizer.eos_token_id]]
     block_len = args.max_prompt_len + args.max_new_tokens
@@ -1218,11 +1246,9 @@ if __name__ == "__main__":
         if args.target_kl is not None:  # Ziegler et al.'s adaptive KL controller
             kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)
         if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
-            snapshot = os.path.join(args.output_dir, "snapshots", f"iteration_{iteration + 1}")
-            plumbing.save_engine_folder(actor, tokenizer, snapshot, {**saved_by, "iteration": iteration + 1,
-                                                                     "finished": False}, merged_state_dict)
+            save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)
         if args.save_every and (iteration + 1) % args.save_every == 0:
-            save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, args)
+            save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, run["run_name"], args)
 
     # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
     record = {**saved_by, "iteration": args.num_iterations, "finished": True}

@@ -278,7 +278,10 @@ if __name__ == "__main__":
     tokenizer, added_pad_token = plumbing.load_tokenizer_with_pad(
         args.tokenizer_name_or_path or args.model_name_or_path,
         "check --tokenizer-name-or-path" if args.tokenizer_name_or_path else model_hint, args.trust_remote_code,
-        is_main)
+        is_main, args.model_name_or_path)
+    if args.policy_model_name_or_path is not None:  # it samples the normalization's responses with this tokenizer
+        plumbing.check_vocabulary(tokenizer, args.policy_model_name_or_path, "check --policy-model-name-or-path",
+                                  args.trust_remote_code, added_pad_token)
 
     # Data
     columns = [args.chosen_column, args.rejected_column]

@@ -217,7 +217,7 @@ if __name__ == "__main__":
     tokenizer, added_pad_token = plumbing.load_tokenizer_with_pad(
         args.tokenizer_name_or_path or args.model_name_or_path,
         "check --tokenizer-name-or-path" if args.tokenizer_name_or_path else "check --model-name-or-path",
-        args.trust_remote_code, is_main)
+        args.trust_remote_code, is_main, args.model_name_or_path)
 
     # Data
     columns = [args.response_column] if args.split_conversations else [args.prompt_column, args.response_column]

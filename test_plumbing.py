@@ -67,6 +67,11 @@ def bad(tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "a_file").write_text("not a folder")
     (root / "latin1.jsonl").write_bytes('{"prompt": "Un café, and", "chosen": " good."}\n'.encode("latin-1"))
+    shutil.copytree(BASE_MODEL, root / "added_tokens")  # chat tokens added to the tokenizer, the embeddings not resized
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    tokenizer.add_tokens(["<|user|>", "<|assistant|>"], special_tokens=True)
+    tokenizer.save_pretrained(root / "added_tokens")
+    shutil.copytree("toy_task/data", root / "data")  # a data set folder (that an output folder must stay out of)
     shutil.copytree(BASE_MODEL, root / "nan_weights")
     weights = load_file(f"{BASE_MODEL}/model.safetensors")
     weights[sorted(weights)[-1]].view(-1)[0] = float("nan")
@@ -399,15 +404,27 @@ def test_an_output_folder_is_never_destroyed(tmp_path, monkeypatch):
         (lambda: plumbing.claim_output_dir(str(notes / "notes.txt"), {}, True), "notes.txt' is a file; name a folder"),
     ])
     assert os.listdir(notes) == ["notes.txt"] and (notes / "notes.txt").read_text() == "mine"
-    # With --overwrite the model is written beside the user's file, and a stale weights file of another layout (here a
-    # shard of an earlier save) goes, so that from_pretrained cannot mix it in.
-    (notes / "model-00001-of-00002.safetensors").write_text("stale")
+    # With --overwrite the model is written beside the user's files, whatever their names: even weights files of
+    # another layout stay (from_pretrained reads model.safetensors first, which is ours).
+    user_files = {"model_backup.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json"}
+    for name in user_files:
+        (notes / name).write_text("the user's")
     plumbing.claim_output_dir(str(notes), {}, True)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
     plumbing.save_model_folder(model, tokenizer, str(notes), {"script": "sft.py", "finished": True})
-    assert (notes / "notes.txt").read_text() == "mine" and not (notes / "model-00001-of-00002.safetensors").exists()
+    assert (notes / "notes.txt").read_text() == "mine"
+    assert all((notes / name).read_text() == "the user's" for name in user_files)
     assert not (notes / ".saving").exists() and plumbing.read_record(str(notes))["finished"]
-    AutoModelForCausalLM.from_pretrained(notes)
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(notes).lm_head.weight, model.lm_head.weight)
+    # The next save removes only what an earlier save wrote (its record lists its files) and this one does not.
+    record = plumbing.read_record(str(notes))
+    assert "model.safetensors" in record["files"] and not user_files & set(record["files"])
+    (notes / "model-00002-of-00002.safetensors").write_text("an earlier save's shard")
+    plumbing.write_json(str(notes / plumbing.RECORD), {**record, "files": [*record["files"],
+                                                                            "model-00002-of-00002.safetensors"]})
+    plumbing.save_model_folder(model, tokenizer, str(notes), {"script": "sft.py", "finished": True})
+    assert not (notes / "model-00002-of-00002.safetensors").exists()
+    assert all((notes / name).read_text() == "the user's" for name in user_files)
     # One run per folder: while the lock's holder (this process) lives, another run is refused; the folder now holds
     # an output of sft.py, which reward_model.py does not replace.
     check_stops([(lambda: plumbing.claim_output_dir(str(notes), {}, False),

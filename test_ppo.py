@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import safetensors.torch
@@ -28,7 +29,7 @@ import rlhf_math
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
-from test_plumbing import bad, check_stops  # noqa: F401
+from test_plumbing import HH_ROW, bad, check_stops, write_jsonl  # noqa: F401
 from test_sft_and_reward_model import (ENV, FEW_STEPS, check_errors, free_port, launcher, processes_with, run,
                                        run_in_process)
 
@@ -344,12 +345,19 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
         return ppo.start_run(dataclasses.replace(args, **changes))
 
+    def begin(run, **changes):  # what start_logging does once every input has loaded: the run's record
+        monkeypatch.setattr(plumbing, "start_tensorboard", lambda *_, **__: types.SimpleNamespace(log_dir="runs/x"))
+        ppo.start_logging(run, 0, dataclasses.replace(args, **changes))[1].close()
+
     first = start()
+    assert "run_name" not in plumbing.read_record(str(out))  # nothing of the run is written before its inputs load
+    begin(first)
     record = plumbing.read_record(str(out))
     assert record["run_name"] == first["run_name"] and not record["finished"] and first["checkpoints"] == []
     (out / "resume" / "iteration_2").mkdir(parents=True)  # a checkpoint as ppo.py writes it (its state.json here)
-    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"),
-                   {"iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args)})
+    state = {"iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
+             "run_name": first["run_name"]}
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), state)
     (out / "resume" / "latest").write_text("iteration_2")
     check_stops([
         (lambda: start(), "holds checkpoints of an unfinished run (iteration_2): continue it with --resume, or pass "
@@ -357,7 +365,8 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         (lambda: start(resume=True, kl_coef=0.05, actor_learning_rate=1e-3),
          "--resume: the run was started with other settings: --actor-learning-rate 0.0002 (now 0.001), --kl-coef "
          "0.1 (now 0.05); resume with its settings"),
-        (lambda: start(resume=True, world_size=2, batch_size=128), "--world-size 1 (now 2), --batch-size 64 (now 128)"),
+        (lambda: start(resume=True, world_size=2, batch_size=128),
+         "--resume: the run was started with other settings: the number of ranks 1 (now 2); resume with its settings"),
         (lambda: start(resume=True, output_dir=str(tmp_path / "empty")), "--resume: no run of ppo.py in"),
     ])
     resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3)  # settings that may change
@@ -366,8 +375,22 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": True})
     check_stops([(lambda: start(resume=True), "has finished all its iterations; nothing to resume")])
     plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": False})
-    second = start(overwrite=True)  # a new run in its place: the old checkpoints go
-    assert second["checkpoints"] == [] and not (out / "resume").exists()
+    # A new run in its place: the earlier run's record and checkpoint stay until the new run writes its own (a run
+    # that stops on a typo deletes nothing); a checkpoint of another run is never resumed from.
+    second = start(overwrite=True, exp_name="test_start_run_2")
+    assert second["checkpoints"] == [] and plumbing.read_record(str(out))["run_name"] == first["run_name"]
+    begin(second, overwrite=True, exp_name="test_start_run_2")
+    assert plumbing.read_record(str(out))["run_name"] == second["run_name"]
+    assert (out / "resume" / "iteration_2").exists()
+    check_stops([(lambda: start(resume=True, exp_name="test_start_run_2"), "--resume: no complete checkpoint")])
+    plumbing.remove_earlier_runs(str(out / "resume"), second["run_name"], ppo.read_state)  # at its first checkpoint
+    assert os.listdir(out / "resume") == ["latest"]
+    # At its first snapshot: the earlier run's snapshot goes, a folder of the user's that no run wrote stays.
+    (out / "snapshots" / "iteration_1").mkdir(parents=True)
+    plumbing.write_json(str(out / "snapshots" / "iteration_1" / plumbing.RECORD), {"run_name": first["run_name"]})
+    (out / "snapshots" / "mine").mkdir()
+    plumbing.remove_earlier_runs(str(out / "snapshots"), second["run_name"], plumbing.read_record)
+    assert os.listdir(out / "snapshots") == ["mine"]
     # Every setting that may change is named in --resume's help.
     help_text = " ".join(inspect.getsource(ppo.Args).split("resume: bool = False")[1].split('"""')[1].split())
     for name in set(ppo.RESUME_MAY_CHANGE) - {"resume", "overwrite", "local_rank"}:
@@ -428,7 +451,37 @@ def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
     assert "_avg is nan; lower the learning rates" in error
 
 
-def test_ppo_bad_input(stages, bad, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def wrong(stages, tmp_path_factory):
+    """Model folders and data that are wrong in the ways a user meets them, built from the stages' models."""
+    root, sft_path, rm_path = tmp_path_factory.mktemp("wrong"), stages[1], stages[3]
+    shutil.copytree(rm_path, root / "two_labels")  # a classifier of two labels, with the reward model's tokenizer
+    AutoModelForSequenceClassification.from_pretrained(sft_path, num_labels=2).save_pretrained(root / "two_labels")
+    shutil.copytree(root / "two_labels", root / "one_label_config")  # its config says 1 label, its head has 2 rows
+    config = json.loads((root / "one_label_config" / "config.json").read_text())
+    (root / "one_label_config" / "config.json").write_text(json.dumps({**config, "num_labels": 1}))
+    shutil.copytree(rm_path, root / "zero_std")  # a reward model whose stored normalization divides by 0
+    config = json.loads((root / "zero_std" / "config.json").read_text())
+    (root / "zero_std" / "config.json").write_text(json.dumps({**config, "reward_std": 0.0}))
+    shutil.copytree(sft_path, root / "added_tokens")  # chat tokens added to the tokenizer, the embeddings not resized
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    tokenizer.add_tokens(["<|user|>", "<|assistant|>"], special_tokens=True)
+    tokenizer.save_pretrained(root / "added_tokens")
+    shutil.copytree(rm_path, root / "no_pad_reward")  # a reward model reading other tokens, its tokenizer with no pad
+    tokenizer = AutoTokenizer.from_pretrained(rm_path)
+    tokenizer.add_tokens(["<|other|>"])
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(root / "no_pad_reward")
+    (root / "blank.txt").write_text("\n  \n\n")
+    write_jsonl(root / "hh.jsonl", [HH_ROW] * 8)
+    shutil.copytree("toy_task/data", root / "data")
+    shutil.copytree("toy_task/data", root / "scripted")
+    (root / "scripted" / "scripted.py").write_text("import datasets  # a loading script\n")
+    os.symlink(root / "nowhere", root / "dangling")
+    return root
+
+
+def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
     shutil.copytree(stages[3], bad / "nan_weights_rm", dirs_exist_ok=True)  # a reward model with a NaN weight
     weights = safetensors.torch.load_file(bad / "nan_weights_rm" / "model.safetensors")
     weights["score.weight"].view(-1)[0] = float("nan")
@@ -462,13 +515,35 @@ def test_ppo_bad_input(stages, bad, tmp_path, capsys):
          "--lora-target-modules 'nothing_matches'"),
         (["--enable-hybrid-engine"], "--enable-hybrid-engine needs a GPU"),
         (["--min-response-tokens", "1000"], "iteration 0: no response has --min-response-tokens 1000 real tokens"),
+        # A causal LM is no reward model (only the critic may start with a fresh head), nor is a 2-label classifier.
+        (["--reward-model-name-or-path", stages[1]], f"{stages[1]!r} is a causal language model, not a reward model"),
+        (["--reward-model-name-or-path", str(wrong / "two_labels")],
+         "must be a 1-label AutoModelForSequenceClassification with a linear `score` head, as reward_model.py saves it "
+         "(it has 2 labels); check --reward-model-name-or-path"),
+        (["--reward-model-name-or-path", str(wrong / "one_label_config")],
+         "do not fit its config.json: score.weight is [2, 128] there, [1, 128] by the config"),
+        (["--reward-model-name-or-path", str(wrong / "zero_std")], "reward_std 0.0, must be numbers with reward_std > 0"),
+        (["--actor-model-name-or-path", str(wrong / "added_tokens")], "tokens were added to it without "
+         "model.resize_token_embeddings(len(tokenizer)); resize the model's embeddings and save it with its tokenizer, "
+         "or check --actor-model-name-or-path"),
+        (["--reward-model-name-or-path", str(wrong / "no_pad_reward")], "needs an EOS and a pad token"),
+        (["--actor-lora-dim", "4", "--lora-target-modules", "("], "give 'all-linear', or a regular expression"),
+        (["--unsup-dataset", str(wrong / "blank.txt")], "holds no text, only blank lines or empty cells"),
+        (["--dataset", str(wrong / "hh.jsonl"), "--prompt-column", "chosen"],
+         "column 'chosen' of '" + str(wrong / "hh.jsonl") + "' holds whole conversations, answers included (the "
+         "hh-rlhf layout); pass --split-conversations"),
+        (["--dataset", str(wrong / "scripted")], "holds a loading script (scripted.py): code, which is never run here"),
+        (["--dataset", str(wrong / "data"), "--output-dir", str(wrong / "data" / "ppo")],
+         "is inside --dataset '" + str(wrong / "data") + "', which this run reads"),
+        (["--output-dir", str(wrong / "dangling")], "is a link to '" + str(wrong / "nowhere") + "', which does not"),
     ], tmp_path)
+    assert sorted(os.listdir(wrong / "data")) == ["test.jsonl", "train.jsonl"]  # nothing written into the data
     with pytest.raises(SystemExit):
         tyro.cli(ppo.Args, args=["--actor-zero-stage", "4"])
     assert "invalid choice '4' for argument '--actor-zero-stage'" in capsys.readouterr().err
 
 
-def test_evaluate(stages, tmp_path):
+def test_evaluate(stages, wrong, tmp_path):
     """evaluate.py compares the SFT and PPO policies on held-out prompts, by the reward model and by the gold rule,
     and draws the training curves and, from the run's snapshots, the over-optimisation picture."""
     out = tmp_path / "ppo"
@@ -499,6 +574,14 @@ def test_evaluate(stages, tmp_path):
     flags[flags.index("--ppo-model") + 1] = str(tmp_path / "missing")
     error = run_in_process("evaluate.py", flags)
     assert "no model folder at" in error and "--ppo-model" in error
+    # The reward model is checked as ppo.py checks it.
+    flags[flags.index("--ppo-model") + 1] = str(out / "actor")
+    for folder, message in [("no_pad_reward", "needs an EOS and a pad token; set them and save it, or check "
+                                              "--reward-model"),
+                            ("two_labels", "(it has 2 labels); check --reward-model"),
+                            ("zero_std", "reward_std 0.0, must be numbers with reward_std > 0")]:
+        flags[flags.index("--reward-model") + 1] = str(wrong / folder)
+        assert message in run_in_process("evaluate.py", flags)
     read_metrics(exp_name)
 
 

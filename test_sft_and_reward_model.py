@@ -222,7 +222,12 @@ def test_sft_bad_input(bad, tmp_path, capsys):
         (["--output-dir", "."], "--output-dir '.' is or holds --model-name-or-path 'toy_task/base_model'"),
         (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--model-name-or-path", str(bad / "nan_weights")], "has weights that are not finite (inf or nan)"),
+        (["--model-name-or-path", str(bad / "added_tokens")], "tokens were added to it without "
+         "model.resize_token_embeddings(len(tokenizer))"),
+        (["--dataset", str(bad / "data"), "--output-dir", str(bad / "data" / "sft")],
+         f"is inside --dataset '{bad / 'data'}', which this run reads (its files would become part of it)"),
     ], tmp_path)
+    assert sorted(os.listdir(bad / "data")) == ["test.jsonl", "train.jsonl"]
     with pytest.raises(SystemExit):
         tyro.cli(sft.Args, args=["--zero-stage", "4"])
     assert "invalid choice '4' for argument '--zero-stage'" in capsys.readouterr().err
@@ -252,6 +257,7 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
          "has no model.safetensors; only safetensors weights are loaded"),
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
+        (["--model-name-or-path", str(bad / "added_tokens")], "embeds only 993: tokens were added to it without"),
     ], tmp_path)
     with pytest.raises(SystemExit):
         tyro.cli(reward_model.Args, args=["--zero-stage", "4"])
