@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import difflib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -124,6 +125,21 @@ def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, *
         fail(f"{path!r} does not fit {model_class.__name__}: weights missing from it {missing[:4]}, weights in it "
              f"that the model does not use {unexpected[:4]} ({len(missing)} and {len(unexpected)} in all); {hint}")
     return model
+
+def folder_identity(path: str | None) -> str | None:
+    """What identifies a model folder when it is moved or named another way, and tells it from a model put in its
+    place: a hash of its config.json and of each safetensors file's name, size, first and last MiB. A hub name (or
+    None) stands for itself."""
+    if path is None or not os.path.isdir(path):
+        return path
+    digest = hashlib.sha256()
+    for name in sorted(name for name in os.listdir(path) if name == "config.json" or name.endswith(".safetensors")):
+        with open(os.path.join(path, name), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest.update(f"{name} {size}".encode() + f.read(2**20))
+            f.seek(max(size - 2**20, 0))
+            digest.update(f.read())
+    return digest.hexdigest()
 
 def check_finite_weights(model, name: str) -> None:
     """Stop if a weight is inf or NaN (a damaged checkpoint); under ZeRO-3 every rank takes part."""
@@ -346,6 +362,8 @@ def init_distributed(args) -> torch.device:
         remove_shared_memory_file()
     stop_on_signals()
     args.world_size = dist.get_world_size()
+    if args.world_size > 1:
+        sys.excepthook = one_line_for_a_lost_rank
     return torch.device(get_accelerator().device_name(args.local_rank))
 
 def free_port() -> str:
@@ -403,6 +421,16 @@ def on_rank_0(function):
         raise SystemExit(result[1])
     return result[0]
 
+def one_line_for_a_lost_rank(kind, error, trace) -> None:
+    """sys.excepthook of a run of several ranks: a collective that lost its peer (a rank killed, or stopped with its
+    own message, or the launcher gone) ends this rank with one line instead of gloo's stack trace."""
+    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+    if not (isinstance(error, RuntimeError) and any(words in str(error) for words in lost)):
+        return sys.__excepthook__(kind, error, trace)
+    print(f"{script()}: error: rank {dist.get_rank()} lost its connection to another rank of this run "
+          f"({str(error).split('] ')[-1].split('. ')[0]}): that rank stopped, or the launcher did; their output says "
+          "why", file=sys.stderr, flush=True)
+
 def stop_on_signals() -> None:
     """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -427,8 +455,9 @@ def watch_launcher() -> None:
     def watch():
         while all((parent_and_start(pid) or (None, None))[1] == start for pid, start in watched):
             time.sleep(1)
-        print(f"{script()}: error: rank {os.environ.get('RANK')}: the launcher that started this "
-              "rank is gone; stopping", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node: its other ranks stop with it, silently
+            print(f"{script()}: error: the launcher that started the ranks on this node is gone; stopping them",
+                  file=sys.stderr, flush=True)
         os._exit(1)
     if watched:
         threading.Thread(target=watch, daemon=True).start()
@@ -450,6 +479,16 @@ def write_json(path: str, value) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+
+WRITE_ERRORS = (OSError, safetensors.SafetensorError)  # a full disk, a quota, a folder made read-only meanwhile
+
+def stop_after_failed_write(error: Exception, partial: str, what: str, kept: str) -> None:
+    """Stop with one line after a write failed: how much this run had written to PARTIAL (its own folder, removed
+    now: nothing half-written stays behind), and what is still whole (KEPT)."""
+    written = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(partial) for name in names)
+    shutil.rmtree(partial, ignore_errors=True)
+    fail(f"cannot write {what} ({' '.join(str(error).split())[:200]}); the {written / 2**20:.1f} MB of it written are "
+         f"removed again, and {kept}. Free some space and run again")
 
 def fsync_tree(path: str) -> None:
     """Flush a folder's files and entries to disk: a rename after this names complete files, even after a power cut."""
@@ -534,8 +573,9 @@ def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dic
             os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
         os.rmdir(staging)
         fsync_tree(output_dir)
-    except OSError as error:  # a full disk, a folder made read-only meanwhile
-        fail(f"cannot save the model to {output_dir!r} ({error}); its new files are in {output_dir}/.saving, if any")
+    except WRITE_ERRORS as error:
+        stop_after_failed_write(error, os.path.join(output_dir, ".saving"), f"the model to {output_dir!r}",
+                                f"{output_dir!r} keeps what it held")
 
 def save_engine_folder(engine, tokenizer, output_dir: str, record: dict, state_dict_of=None) -> None:
     """save_model_folder of an engine's model (state_dict_of(model): its weights), gathered whole under ZeRO-3."""

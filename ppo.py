@@ -164,7 +164,8 @@ class Args:
     --offload, --offload-reference-model, --offload-reward-model, --gather-weights-for-rollout,
     --actor-gradient-checkpointing, --critic-gradient-checkpointing, --release-inference-cache,
     --unpin-actor-parameters and --tp-gather-partition-size, which change how the run is saved, logged or laid out
-    in memory, not what it computes"""
+    in memory, not what it computes; --actor-model-name-or-path, --reward-model-name-or-path and
+    --critic-model-name-or-path may name their folders anew (moved), but must hold the same models"""
     overwrite: bool = False
     """write into a non-empty --output-dir that ppo.py did not write (files and folders of the names ppo.py writes are
     replaced, nothing else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they
@@ -685,7 +686,8 @@ RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_
                      "wandb_project_name", "actor_zero_stage", "critic_zero_stage", "offload", "offload_reference_model",
                      "offload_reward_model", "gather_weights_for_rollout", "actor_gradient_checkpointing",
                      "critic_gradient_checkpointing", "release_inference_cache", "unpin_actor_parameters",
-                     "tp_gather_partition_size"]
+                     "tp_gather_partition_size", "actor_model_name_or_path", "reward_model_name_or_path",
+                     "critic_model_name_or_path"]  # the models' folders: by their content (plumbing.folder_identity)
 RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gradient_accumulation_steps",
                   "num_iterations"]  # Args' fields filled in at runtime
 
@@ -728,6 +730,7 @@ def start_run(args: Args) -> dict:
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
               "--unsup-dataset": args.unsup_dataset}
+    identities = {flag: plumbing.folder_identity(path) for flag, path in inputs.items() if "model" in flag}
     record = plumbing.read_record(args.output_dir) or {}  # an earlier run's, if ppo.py wrote this folder before
     if record.get("script") != "ppo.py":
         record = {}
@@ -748,6 +751,10 @@ def start_run(args: Args) -> dict:
         if changed:
             plumbing.fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its "
                           "settings (only those listed under --resume in --help may change)")
+        replaced = [flag for flag, identity in record.get("inputs", {}).items() if identities.get(flag) != identity]
+        if replaced:
+            plumbing.fail(f"--resume: {replaced[0]} {inputs[replaced[0]]!r} does not hold the model the run started "
+                          "from (its files differ); name that model's folder, wherever it is now")
         run_name, metrics_file = record["run_name"], record["metrics_file"]
     else:
         if checkpoints and not record.get("finished") and not args.overwrite:
@@ -758,7 +765,7 @@ def start_run(args: Args) -> dict:
         run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
         metrics_file = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
     plumbing.make_run_dir(run_name)
-    return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints}
+    return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints, "inputs": identities}
 
 def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name: str, args: Args) -> None:
     """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
@@ -777,9 +784,10 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name
             plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
             plumbing.remove_earlier_runs(checkpoint_dir, run_name, read_state)
             plumbing.commit_checkpoint(path)
-    except OSError as error:  # a full disk, a folder made read-only meanwhile
-        plumbing.fail(f"cannot write the checkpoint {path!r} ({error}); the one before it, if any, can be resumed "
-                      "from")
+    except plumbing.WRITE_ERRORS as error:
+        kept = plumbing.complete_checkpoints(checkpoint_dir)
+        plumbing.stop_after_failed_write(error, path + ".tmp", f"the checkpoint {path!r}", f"--resume continues from "
+                                         f"{kept[0]!r}" if kept else "no checkpoint is complete yet")
 
 def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) -> None:
     """The actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N; an earlier run's snapshots go now."""
@@ -826,7 +834,7 @@ def start_logging(run: dict, start_iteration: int, args: Args):
     if not args.resume:
         plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD), {
             "script": "ppo.py", "finished": False, "run_name": run["run_name"], "metrics_file": run["metrics_file"],
-            "args": asdict(args)})
+            "args": asdict(args), "inputs": run["inputs"]})
     writer = plumbing.start_tensorboard(run["run_name"], args,
                                         purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
     plumbing.continue_metrics_file(run["metrics_file"], start_iteration)

@@ -7,10 +7,12 @@ The shared bad-input fixture (`bad`), check_stops and write_jsonl live here; the
 """
 
 import ast
+import contextlib
 import json
 import math
 import os
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -441,6 +443,34 @@ def test_an_output_folder_is_never_destroyed(tmp_path, monkeypatch):
     assert (notes / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
 
 
+@contextlib.contextmanager
+def full_disk(megabytes=1):
+    """Writes past MEGABYTES in one file fail as on a full disk (EFBIG: Python ignores SIGXFSZ), as `ulimit -f` does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (megabytes * 2**20, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_save_on_a_full_disk_keeps_the_earlier_model(tmp_path, monkeypatch):
+    """save_model_folder on a full disk: one line that says how much was written, the partial copy removed, and the
+    folder's earlier model whole."""
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
+    plumbing.save_model_folder(model, tokenizer, str(tmp_path / "sft"), {"script": "sft.py", "finished": True})
+    before = {name: (tmp_path / "sft" / name).read_bytes() for name in os.listdir(tmp_path / "sft")}
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    with full_disk():
+        check_stops([(lambda: plumbing.save_model_folder(model, tokenizer, str(tmp_path / "sft"), {"script": "sft.py"}),
+                      f"cannot write the model to '{tmp_path / 'sft'}' (Error while serializing: I/O error: File too "
+                      "large (os error 27)); the 0.0 MB of it written are removed again, and "
+                      f"'{tmp_path / 'sft'}' keeps what it held. Free some space and run again")])
+    assert {name: (tmp_path / "sft" / name).read_bytes() for name in os.listdir(tmp_path / "sft")} == before
+
+
 def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
     """Nodes share the output folder's filesystem, and a lock's pid means something only on the host that wrote it:
     a lock of another host stops the run even where no process of that pid lives."""
@@ -468,6 +498,24 @@ def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(monkeypatch):
     monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: None)
     assert plumbing.on_rank_0(lambda: "mine") == "mine"
     check_stops([(lambda: plumbing.on_rank_0(lambda: plumbing.fail("the folder is in use")), "the folder is in use")])
+
+
+def test_a_lost_rank_ends_the_surviving_rank_with_one_line(monkeypatch, capsys):
+    """The excepthook init_distributed sets on several ranks: gloo's error for a peer that went away (as a 2-rank
+    ppo.py printed it when rank 1 was killed) becomes one line; any other error keeps its stack trace."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    lost = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:2237. This is typically caused by a remote worker crashing. Check the logs")
+    plumbing.one_line_for_a_lost_rank(RuntimeError, lost, None)
+    assert capsys.readouterr().err == ("ppo.py: error: rank 0 lost its connection to another rank of this run "
+                                       "(Connection closed by peer [127.0.0.1]:2237): that rank stopped, or the "
+                                       "launcher did; their output says why\n")
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError as error:
+        plumbing.one_line_for_a_lost_rank(RuntimeError, error, error.__traceback__)
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
 def test_new_threads_take_one_openmp_thread():

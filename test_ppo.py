@@ -3,6 +3,7 @@ with ZeRO-0, with the k3 KL estimator and the EOS trick, and killed then resumed
 it starts from are trained here for a few steps first.
 """
 
+import contextlib
 import dataclasses
 import glob
 import inspect
@@ -29,7 +30,7 @@ import rlhf_math
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
-from test_plumbing import HH_ROW, bad, check_stops, write_jsonl  # noqa: F401
+from test_plumbing import HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
 from test_sft_and_reward_model import (ENV, FEW_STEPS, check_errors, free_port, launcher, processes_with, run,
                                        run_in_process)
 
@@ -274,6 +275,9 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     while processes_with(str(out)) and time.time() < killed + 30:
         time.sleep(0.2)
     assert not processes_with(str(out)) and time.time() - killed < 15, "a rank outlived its launcher"
+    if ranks:  # one line from the node's ranks, no stack trace from the one that may lose its peer first
+        assert stderr.count("the launcher that started the ranks on this node is gone") == 1, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
     assert marker.exists() and marker.read_text() != before, stderr[-3000:]
     assert not (out / "actor").exists(), f"the run finished before it could be killed:\n{stderr[-3000:]}"
     return int(marker.read_text().removeprefix("iteration_")), [m["iteration"] for m in run_metrics(out)]
@@ -370,8 +374,7 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         (lambda: start(resume=True, output_dir=str(tmp_path / "empty")), "--resume: no run of ppo.py in"),
     ])
     resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3)  # settings that may change
-    assert resumed == {"run_name": first["run_name"], "metrics_file": first["metrics_file"],
-                       "checkpoints": [str(out / "resume" / "iteration_2")]}
+    assert resumed == {**first, "checkpoints": [str(out / "resume" / "iteration_2")]}
     plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": True})
     check_stops([(lambda: start(resume=True), "has finished all its iterations; nothing to resume")])
     plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": False})
@@ -397,6 +400,64 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         assert f"--{name.replace('_', '-')}" in help_text, name
     for run_name in {first["run_name"], second["run_name"]}:
         shutil.rmtree(os.path.join("runs", run_name))
+
+
+def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monkeypatch):
+    """--resume finds the run's models moved or named another way, and refuses a model put in the place of one (the
+    reference and the reward model are read from their folders again)."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    monkeypatch.setattr(plumbing, "start_tensorboard", lambda *_, **__: types.SimpleNamespace(log_dir="runs/x"))
+    for name in ["sft", "rm"]:  # model folders as far as identity goes: a config and a weights file
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_bytes(os.urandom(3 * 2**20))
+    out = tmp_path / "out"
+    args = ppo.Args(output_dir=str(out), exp_name="test_identity", world_size=1, batch_size=64,
+                    actor_model_name_or_path=str(tmp_path / "sft"), reward_model_name_or_path=str(tmp_path / "rm"))
+    run = ppo.start_run(args)
+    ppo.start_logging(run, 0, args)[1].close()
+    (out / "resume" / "iteration_2").mkdir(parents=True)
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
+        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
+        "run_name": run["run_name"]})
+
+    def resume(**changes):
+        (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
+        return ppo.start_run(dataclasses.replace(args, resume=True, **changes))
+
+    os.rename(tmp_path / "sft", tmp_path / "moved")
+    runs = os.path.abspath(os.path.join("runs", run["run_name"]))
+    monkeypatch.chdir(tmp_path)  # the same folders named by relative paths
+    assert resume(actor_model_name_or_path="moved", reward_model_name_or_path="rm")["run_name"] == run["run_name"]
+    weights = (tmp_path / "rm" / "model.safetensors").read_bytes()
+    (tmp_path / "rm" / "model.safetensors").write_bytes(os.urandom(2**10) + weights[2**10:])  # another model there
+    check_stops([(lambda: resume(actor_model_name_or_path=str(tmp_path / "moved")),
+                  f"--resume: --reward-model-name-or-path '{tmp_path / 'rm'}' does not hold the model the run started "
+                  "from (its files differ); name that model's folder, wherever it is now")])
+    shutil.rmtree(runs)
+
+
+def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch):
+    """The disk fills after the first checkpoint: the second stops the run with one line naming the checkpoint that
+    --resume continues from, and leaves no partial folder; that checkpoint still resumes."""
+    commit = plumbing.commit_checkpoint
+
+    def commit_then_fill_the_disk(path):
+        commit(path)
+        monkeypatch.setattr(plumbing, "commit_checkpoint", commit)
+        stack.enter_context(full_disk())
+
+    with contextlib.ExitStack() as stack:
+        monkeypatch.setattr(plumbing, "commit_checkpoint", commit_then_fill_the_disk)
+        error = ppo_error(stages, tmp_path / "out", "--total-episodes", "24", "--save-every", "1")
+    resume = tmp_path / "out" / "resume"
+    assert f"cannot write the checkpoint '{resume / 'iteration_2'}' (Error while serializing: I/O error: File too " \
+        f"large (os error 27)); the " in error and f"--resume continues from '{resume / 'iteration_1'}'" in error
+    assert sorted(os.listdir(resume)) == ["iteration_1", "latest"]
+    (tmp_path / "out" / ".lock").unlink()  # the lock of the run that stopped (in this process, which lives on)
+    error = ppo_error(stages, tmp_path / "out", "--total-episodes", "24", "--save-every", "1", "--resume",
+                      "--seed", "7")  # found the checkpoint: read its settings
+    assert "--resume: the run was started with other settings: --seed" in error and "(now 7)" in error
 
 
 def test_first_ratio_check_catches_dropout(stages, tmp_path):
