@@ -81,16 +81,11 @@ class Args:
     """allow models and tokenizers whose code comes with their hub repository"""
 
 
-def check_output_dir(args: Args) -> None:
-    """OUTPUT_DIR must not be, nor hold, an input (evaluation.json written into a data folder would be read as data
-    next time), and must be writable: checked before any model loads, so that an evaluation never runs to the end to
-    find that it cannot be saved."""
-    real = os.path.realpath(args.output_dir)
-    for name in ("sft_model", "ppo_model", "reward_model", "dataset"):
-        path = getattr(args, name)
-        if os.path.exists(path) and (os.path.realpath(path) + os.sep).startswith(real + os.sep):
-            plumbing.fail(f"--output-dir {args.output_dir!r} is or holds --{name.replace('_', '-')} {path!r}, which "
-                          "this run reads; name another folder")
+def check_evaluation_dir(args: Args) -> None:
+    """OUTPUT_DIR must not be, hold or sit inside an input (plumbing.check_output_dir), and must be writable: checked
+    before any model loads, so that an evaluation never runs to the end to find that it cannot be saved."""
+    plumbing.check_output_dir(args.output_dir, {f"--{name.replace('_', '-')}": getattr(args, name)
+                                                for name in ("sft_model", "ppo_model", "reward_model", "dataset")})
     probe = os.path.join(args.output_dir, f".probe_{os.getpid()}")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -241,6 +236,14 @@ def read_metrics(metrics_file: str) -> list[dict]:
     return [by_iteration[iteration] for iteration in sorted(by_iteration)]
 
 
+def save_figure(fig, path: str) -> None:
+    """The picture as a PNG file, or one line (evaluation.json, written before any picture, is whole)."""
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as error:
+        plumbing.fail(f"cannot write {path!r} ({error.strerror}); free some space and run again")
+
+
 def plot_training(metrics_file: str, path: str) -> None:
     """Reward (score and score minus KL penalty) and KL per episode, read from ppo.py's metrics.jsonl."""
     rows = read_metrics(metrics_file)
@@ -262,7 +265,7 @@ def plot_training(metrics_file: str, path: str) -> None:
     kl_axis.set(xlabel="episode", ylabel="KL(pi || pi_ref) per response", title="objective/kl")
     fig.suptitle(os.path.dirname(metrics_file))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path} (from {metrics_file})")
 
@@ -292,14 +295,14 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
     gold_axis.set(ylabel="mean gold score")
     score_axis.legend(handles=score_axis.get_lines() + gold_axis.get_lines(), fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
-    check_output_dir(args)
+    check_evaluation_dir(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.snapshots_dir is None:
         args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")

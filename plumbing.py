@@ -346,7 +346,7 @@ def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_le
 def init_distributed(args) -> torch.device:
     """Join the ranks (deepspeed or torchrun set RANK; plain `python` is one rank), set args.local_rank, world_size,
     return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM."""
-    watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher either
+    launchers = watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher
     if "RANK" not in os.environ:  # one rank, on any free port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
     on_cpu = get_accelerator().device_name() == "cpu"
@@ -363,7 +363,7 @@ def init_distributed(args) -> torch.device:
     stop_on_signals()
     args.world_size = dist.get_world_size()
     if args.world_size > 1:
-        sys.excepthook = one_line_for_a_lost_rank
+        sys.excepthook = functools.partial(one_line_for_a_lost_rank, launchers)
     return torch.device(get_accelerator().device_name(args.local_rank))
 
 def free_port() -> str:
@@ -421,12 +421,15 @@ def on_rank_0(function):
         raise SystemExit(result[1])
     return result[0]
 
-def one_line_for_a_lost_rank(kind, error, trace) -> None:
+def one_line_for_a_lost_rank(launchers, kind, error, trace) -> None:
     """sys.excepthook of a run of several ranks: a collective that lost its peer (a rank killed, or stopped with its
-    own message, or the launcher gone) ends this rank with one line instead of gloo's stack trace."""
+    own message) ends this rank with one line instead of gloo's stack trace; if the launcher is gone (a peer of this
+    node left first), watch_launcher's thread says so within a second and ends the rank."""
     lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
     if not (isinstance(error, RuntimeError) and any(words in str(error) for words in lost)):
         return sys.__excepthook__(kind, error, trace)
+    if launchers and not launchers_alive(launchers):
+        time.sleep(10)  # watch_launcher's thread ends this rank first, with the node's one line
     print(f"{script()}: error: rank {dist.get_rank()} lost its connection to another rank of this run "
           f"({str(error).split('] ')[-1].split('. ')[0]}): that rank stopped, or the launcher did; their output says "
           "why", file=sys.stderr, flush=True)
@@ -436,24 +439,31 @@ def stop_on_signals() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, frame: fail(f"stopped by {signal.Signals(signum).name}"))
 
-def watch_launcher() -> None:
+def parent_and_start(pid: int) -> tuple[int, str] | None:
+    """A process's parent and start time (Linux /proc); None once it is gone, or dead and not yet reaped (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+    except (OSError, IndexError):
+        return None
+
+def launchers_alive(launchers: list[tuple[int, str]]) -> bool:
+    """Whether each (pid, start time) of watch_launcher's list still runs (the same process, not a reused pid)."""
+    return all((parent_and_start(pid) or (None, None))[1] == start for pid, start in launchers)
+
+def watch_launcher() -> list[tuple[int, str]]:
     """Exit within seconds when the launcher dies: a killed `deepspeed` or `torchrun` leaves its ranks training and
     writing checkpoints. The launcher is every ancestor that runs this same Python (deepspeed's runner and launch.py,
-    torchrun; none for a plain `python` run); a thread checks each second that each is still there (Linux /proc)."""
-    def parent_and_start(pid):  # None once the process is gone, or dead and waiting to be reaped (a zombie)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
-        except (OSError, IndexError):
-            return None
+    torchrun; none for a plain `python` run); a thread checks each second that each is still there (Linux /proc).
+    Returns them, (pid, start time) each."""
     watched, pid = [], os.getppid()
     while pid > 1 and (process := parent_and_start(pid)) and \
             os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
         watched.append((pid, process[1]))
         pid = process[0]
     def watch():
-        while all((parent_and_start(pid) or (None, None))[1] == start for pid, start in watched):
+        while launchers_alive(watched):
             time.sleep(1)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node: its other ranks stop with it, silently
             print(f"{script()}: error: the launcher that started the ranks on this node is gone; stopping them",
@@ -461,6 +471,7 @@ def watch_launcher() -> None:
         os._exit(1)
     if watched:
         threading.Thread(target=watch, daemon=True).start()
+    return watched
 
 # --- Output folders: claimed and locked before anything loads, written whole or not at all (detail 40). ---
 RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
@@ -473,12 +484,17 @@ def read_record(folder: str) -> dict | None:
     return None
 
 def write_json(path: str, value) -> None:
-    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place; or one line."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(value, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except OSError as error:  # a full disk, a folder made read-only meanwhile
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        fail(f"cannot write {path!r} ({error.strerror}); free some space and run again")
 
 WRITE_ERRORS = (OSError, safetensors.SafetensorError)  # a full disk, a quota, a folder made read-only meanwhile
 
@@ -498,11 +514,9 @@ def fsync_tree(path: str) -> None:
             os.fsync(fd)
             os.close(fd)
 
-def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
-    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: not an input nor holding one; if not
-    empty, an earlier output of this script (its training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock
-    (host and pid) keeps a second run out while this one lives; a lock left by a killed run is taken over."""
-    script_name = script()
+def check_output_dir(output_dir: str, inputs: dict[str, str | None]) -> None:
+    """OUTPUT_DIR can be this run's: not a file, nor a link to nowhere, nor an input (INPUTS: flag -> path), holding
+    one or inside one (a file written into a data set folder would be read as data next time)."""
     if os.path.isfile(output_dir):
         fail(f"--output-dir {output_dir!r} is a file; name a folder")
     if os.path.islink(output_dir) and not os.path.exists(output_dir):
@@ -515,6 +529,13 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
         if path and os.path.isdir(path) and real.startswith(os.path.realpath(path) + os.sep):
             fail(f"--output-dir {output_dir!r} is inside {flag} {path!r}, which this run reads (its files would "
                  "become part of it); name a folder outside it")
+
+def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: not an input nor holding one; if not
+    empty, an earlier output of this script (its training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock
+    (host and pid) keeps a second run out while this one lives; a lock left by a killed run is taken over."""
+    script_name = script()
+    check_output_dir(output_dir, inputs)
     ours = (read_record(output_dir) or {}).get("script") == script_name
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         if not ours:
@@ -543,6 +564,14 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     atexit.register(release_lock)
     if not ours:
         write_json(os.path.join(output_dir, RECORD), {"script": script_name, "finished": False})
+
+def append_line(file, line: str) -> None:
+    """LINE appended to an open log file and flushed to it, or one line on a full disk."""
+    try:
+        file.write(line + "\n")
+        file.flush()
+    except OSError as error:
+        fail(f"cannot write to {file.name!r} ({error.strerror}); free some space, then continue the run with --resume")
 
 def make_run_dir(run_name: str) -> str:
     """runs/RUN_NAME, for the tensorboard logs (and ppo.py's metrics.jsonl), made before anything loads."""

@@ -927,8 +927,7 @@ def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer
     --sample-every iterations a table of a few prompts, responses and scores (samples: their token ids and scores)."""
     for name, value in metrics.items():
         writer.add_scalar(name, value, metrics["episode"])
-    metrics_file.write(json.dumps({"iteration": iteration + 1, **metrics}) + "\n")
-    metrics_file.flush()
+    plumbing.append_line(metrics_file, json.dumps({"iteration": iteration + 1, **metrics}))
     print(f"iteration {iteration + 1}/{args.num_iterations}: score {metrics['objective/scores']:+.3f}, "
           f"kl {metrics['objective/kl']:.3f}, length {metrics['val/response_length']:.1f}, "
           f"approxkl {metrics['policy/approxkl_avg']:.4f}, value loss {metrics['loss/value_avg']:.3f}, "

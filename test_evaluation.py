@@ -114,21 +114,28 @@ def test_the_default_flags_pass():
 def test_output_dir_that_is_or_holds_an_input_is_refused(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
-    assert "is or holds --sft-model" in stops_with(evaluate.check_output_dir, Args(output_dir=str(model),
-                                                                                   sft_model=str(model)))
+    assert "is or holds --sft-model" in stops_with(evaluate.check_evaluation_dir, Args(output_dir=str(model),
+                                                                                     sft_model=str(model)))
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "a"}\n')
-    assert "is or holds --dataset" in stops_with(evaluate.check_output_dir, Args(output_dir=str(tmp_path),
-                                                                                 dataset=str(data)))
+    assert "is or holds --dataset" in stops_with(evaluate.check_evaluation_dir, Args(output_dir=str(tmp_path),
+                                                                                   dataset=str(data)))
+    # Nor inside a data set folder, where evaluation.json would be read as data; nor a link to nowhere.
+    (tmp_path / "data").mkdir()
+    assert "is inside --dataset" in stops_with(evaluate.check_evaluation_dir, Args(
+        output_dir=str(tmp_path / "data" / "eval"), dataset=str(tmp_path / "data")))
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    assert "which does not exist; make that folder or name another" in stops_with(evaluate.check_evaluation_dir, Args(
+        output_dir=str(tmp_path / "link")))
     # A folder whose name merely starts like an input's is not the input: the comparison is by whole folders.
-    evaluate.check_output_dir(Args(output_dir=str(tmp_path / "mod"), sft_model=str(model)))
+    evaluate.check_evaluation_dir(Args(output_dir=str(tmp_path / "mod"), sft_model=str(model)))
     assert os.listdir(tmp_path / "mod") == []  # created, and the probe file removed
 
 
 @pytest.mark.parametrize("output_dir", ["/proc/x", "/proc"])  # a folder that cannot be made; one that takes no file
 def test_output_dir_that_cannot_be_written_is_refused(output_dir):
-    assert f"cannot write to --output-dir {output_dir!r}" in stops_with(evaluate.check_output_dir,
-                                                                       Args(output_dir=output_dir))
+    assert f"cannot write to --output-dir {output_dir!r}" in stops_with(evaluate.check_evaluation_dir,
+                                                                         Args(output_dir=output_dir))
 
 
 @pytest.mark.parametrize("value, problem", [(None, "empty (null)"), (["a"], "a value of type list, not text"), ("  ", "empty text")])

@@ -469,6 +469,10 @@ def test_a_save_on_a_full_disk_keeps_the_earlier_model(tmp_path, monkeypatch):
                       "large (os error 27)); the 0.0 MB of it written are removed again, and "
                       f"'{tmp_path / 'sft'}' keeps what it held. Free some space and run again")])
     assert {name: (tmp_path / "sft" / name).read_bytes() for name in os.listdir(tmp_path / "sft")} == before
+    with full_disk(0):  # a record, a summary: one line too, and no temporary file left
+        check_stops([(lambda: plumbing.write_json(str(tmp_path / "run.json"), {"finished": True}),
+                      f"cannot write '{tmp_path / 'run.json'}' (File too large); free some space and run again")])
+    assert not list(tmp_path.glob("run.json*"))
 
 
 def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
@@ -507,14 +511,14 @@ def test_a_lost_rank_ends_the_surviving_rank_with_one_line(monkeypatch, capsys):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     lost = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                         "peer [127.0.0.1]:2237. This is typically caused by a remote worker crashing. Check the logs")
-    plumbing.one_line_for_a_lost_rank(RuntimeError, lost, None)
+    plumbing.one_line_for_a_lost_rank([], RuntimeError, lost, None)
     assert capsys.readouterr().err == ("ppo.py: error: rank 0 lost its connection to another rank of this run "
                                        "(Connection closed by peer [127.0.0.1]:2237): that rank stopped, or the "
                                        "launcher did; their output says why\n")
     try:
         raise RuntimeError("a bug")
     except RuntimeError as error:
-        plumbing.one_line_for_a_lost_rank(RuntimeError, error, error.__traceback__)
+        plumbing.one_line_for_a_lost_rank([], RuntimeError, error, error.__traceback__)
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
