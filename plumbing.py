@@ -239,16 +239,17 @@ def load_split(dataset: str, split: str, columns: list[str], flag: str = "--data
         fail(f"{flag} {dataset!r} is not a {kinds} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
         fail(f"{flag} {dataset!r} is an empty file")
-    scripts = [name for name in os.listdir(dataset) if name.endswith(".py")] if os.path.isdir(dataset) else []
-    if scripts:
-        fail(f"{flag} {dataset!r} holds a loading script ({scripts[0]}): code, which is never run here; give the data "
-             f"as {kinds} files")
     try:
         if os.path.isfile(dataset):  # one file is every split; a slice such as train[:64] still applies
             kind = {".txt": "text", ".parquet": "parquet"}.get(os.path.splitext(dataset)[1], "json")
             data = datasets.load_dataset(kind, data_files={split.split("[")[0]: dataset}, split=split)
         else:
             data = datasets.load_dataset(dataset, config, split=split)
+    except RuntimeError as error:  # a data set (here or on the hub) that comes as a loading script
+        if "Dataset scripts are no longer supported" not in str(error):
+            raise
+        fail(f"{flag} {dataset!r} comes with a loading script ({str(error).split('found ')[-1]}): code, which is never "
+             f"run here; give the data as {kinds} files")
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
         error = error.__cause__ or error  # the generation error's cause says which row is malformed
         if os.path.isfile(dataset) and dataset.endswith(".jsonl"):  # name the line, which datasets does not

@@ -593,7 +593,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         (["--dataset", str(wrong / "hh.jsonl"), "--prompt-column", "chosen"],
          "column 'chosen' of '" + str(wrong / "hh.jsonl") + "' holds whole conversations, answers included (the "
          "hh-rlhf layout); pass --split-conversations"),
-        (["--dataset", str(wrong / "scripted")], "holds a loading script (scripted.py): code, which is never run here"),
+        (["--dataset", str(wrong / "scripted")], "comes with a loading script (scripted.py): code, which is never run here"),
         (["--dataset", str(wrong / "data"), "--output-dir", str(wrong / "data" / "ppo")],
          "is inside --dataset '" + str(wrong / "data") + "', which this run reads"),
         (["--output-dir", str(wrong / "dangling")], "is a link to '" + str(wrong / "nowhere") + "', which does not"),
