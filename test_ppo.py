@@ -5,6 +5,7 @@ it starts from are trained here for a few steps first.
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import inspect
 import json
@@ -435,6 +436,26 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
                   f"--resume: --reward-model-name-or-path '{tmp_path / 'rm'}' does not hold the model the run started "
                   "from (its files differ); name that model's folder, wherever it is now")])
     shutil.rmtree(runs)
+
+
+def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
+    """torch.multinomial's error for NaN probabilities becomes one line naming the cause; only that error (a rank that
+    lost its peer fails inside generate too, and must not be told its probabilities are not finite)."""
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(stages[1]), AutoTokenizer.from_pretrained(stages[1])
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    actor = types.SimpleNamespace(module=model, eval=model.eval, train=model.train, zero_optimization_stage=lambda: 0)
+    prompt = torch.tensor([tokenizer("The story").input_ids])
+    sample = functools.partial(ppo.sample_responses, actor, prompt, torch.ones_like(prompt),
+                               ppo.sampling_config(tokenizer, 4, 1.0), False, 3, 0)
+    check_stops([(sample, "iteration 3: the actor's next-token probabilities are not finite while sampling (probability "
+                          "tensor contains either `inf`, `nan` or element < 0); lower the learning rates")])
+    def lost_peer(**_):  # gloo's error, as a killed peer of a ZeRO-3 generate produced it
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2237. This is typically caused by a "
+                           "remote worker crashing.")
+    model.generate = lost_peer
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # left to one_line_for_a_lost_rank
+        sample()
 
 
 def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch):
