@@ -736,7 +736,9 @@ def start_run(args: Args) -> dict:
         record = {}
     plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite)
     checkpoint_dir = os.path.join(args.output_dir, "resume")
-    checkpoints = [checkpoint for checkpoint in plumbing.complete_checkpoints(checkpoint_dir) if record and  # its own
+    # The checkpoints of the folder's run: one whose state.json does not read stays (load_checkpoint says why it skips
+    # it), as does one written before checkpoints named their run.
+    checkpoints = [checkpoint for checkpoint in plumbing.complete_checkpoints(checkpoint_dir) if record and
                    (read_state(checkpoint) or {}).get("run_name", record.get("run_name")) == record.get("run_name")]
     if args.resume:
         if "run_name" not in record:
@@ -774,6 +776,8 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
+    if is_main:  # before this run's own: their space is free, and a failed write names only this run's checkpoint
+        plumbing.remove_earlier_runs(checkpoint_dir, run_name, read_state)
     try:
         state = {"iteration": iteration, "kl_coef": kl_coef, "args": asdict(args), "run_name": run_name,
                  "actor": plumbing.save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
@@ -782,7 +786,6 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name
             plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
         if is_main:
             plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
-            plumbing.remove_earlier_runs(checkpoint_dir, run_name, read_state)
             plumbing.commit_checkpoint(path)
     except plumbing.WRITE_ERRORS as error:
         kept = plumbing.complete_checkpoints(checkpoint_dir)
