@@ -430,7 +430,7 @@ def one_line_for_a_lost_rank(launchers, kind, error, trace) -> None:
     if not (isinstance(error, RuntimeError) and any(words in str(error) for words in lost)):
         return sys.__excepthook__(kind, error, trace)
     if launchers and not launchers_alive(launchers):
-        time.sleep(10)  # watch_launcher's thread ends this rank first, with the node's one line
+        time.sleep(10)  # watch_launcher's thread ends this rank first, with its line
     print(f"{script()}: error: rank {dist.get_rank()} lost its connection to another rank of this run "
           f"({str(error).split('] ')[-1].split('. ')[0]}): that rank stopped, or the launcher did; their output says "
           "why", file=sys.stderr, flush=True)
@@ -466,9 +466,8 @@ def watch_launcher() -> list[tuple[int, str]]:
     def watch():
         while launchers_alive(watched):
             time.sleep(1)
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node: its other ranks stop with it, silently
-            print(f"{script()}: error: the launcher that started the ranks on this node is gone; stopping them",
-                  file=sys.stderr, flush=True)
+        print(f"{script()}: error: rank {os.environ.get('RANK')}: the launcher that started this rank is gone; "
+              "stopping", file=sys.stderr, flush=True)
         os._exit(1)
     if watched:
         threading.Thread(target=watch, daemon=True).start()

@@ -127,4 +127,4 @@ def test_a_rank_waiting_for_the_other_node_stops_with_its_launcher(tmp_path):
     left = processes_with(str(out))
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not left and "the launcher that started the ranks on this node is gone" in log.read_text(), log.read_text()[-3000:]
+    assert not left and "the launcher that started this rank is gone" in log.read_text(), log.read_text()[-3000:]
