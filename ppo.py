@@ -59,8 +59,9 @@ class Args:
     actor_model_name_or_path: str = "checkpoints/sft"
     """the SFT model (stage 1): the actor and the reference start from it"""
     reward_model_name_or_path: str = "checkpoints/reward_model"
-    """the reward model (stage 2), frozen; its config's `reward_mean` is subtracted from its scores. One with another
-    tokenizer than the actor's reads each prompt + response decoded to text and tokenized again"""
+    """the reward model (stage 2), frozen; its scores are normalized by its config's `reward_mean` and `reward_std`:
+    (score - reward_mean) / reward_std. One with another tokenizer than the actor's reads each prompt + response
+    decoded to text and tokenized again"""
     critic_model_name_or_path: str | None = None
     """where the critic starts; when not set, the reward model, or, if the reward model has another tokenizer, the
     actor with a fresh value head (the critic reads the actor's tokens)"""
@@ -321,6 +322,23 @@ def score_normalization(config) -> tuple[float, float]:
                       "delete both for none")
     return mean, std
 
+def check_normalization(config, args: Args) -> None:
+    """reward_model.py measured reward_mean and reward_std on one policy's responses, sampled at one temperature and
+    length (its config's reward_normalization). With another actor or sampling the scores do not start at mean 0 and
+    std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so."""
+    measured = getattr(config, "reward_normalization", None)
+    if measured is None or dist.get_rank() != 0:
+        return
+    this = {"policy_identity": plumbing.folder_identity(args.actor_model_name_or_path),
+            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured['policy']!r})"
+              if key == "policy_identity" else f"--{key.replace('_', '-')} {value!r} (measured with {measured[key]!r})"
+              for key, value in this.items() if measured.get(key) != value]
+    if differ:
+        print(f"warning: the reward model's reward_mean and reward_std were measured on other responses: "
+              f"{'; '.join(differ)}. The normalized scores will not start at mean 0 and std 1; run reward_model.py "
+              "with --policy-model-name-or-path, --temperature and --max-new-tokens of this run to measure them anew")
+
 def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
                         reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Prompt + response [B, P + R] as the reward model reads them: unchanged when it has the actor's tokenizer
@@ -415,6 +433,9 @@ def check_args(args: Args) -> None:
     if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
         plumbing.fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score "
                       f"{args.clip_score}]: the score it replaces is clipped to [-clip_score, clip_score]")
+    if args.target_kl is not None and args.kl_coef == 0:
+        plumbing.fail("--target-kl adapts beta by a factor each iteration, which never moves it off --kl-coef 0: "
+                      "give --kl-coef a positive start")
     if args.only_optimize_lora and not args.actor_lora_dim:
         plumbing.fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim "
                       "for the critic's)")
@@ -876,15 +897,15 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
     """One iteration's metrics. Each figure is a mean over all ranks' responses or tokens (sums and counts are added
     over the ranks, never a mean of the ranks' means); objective/ is over the valid responses, whose scores and KL
     enter the rewards; the token statistics are over the update's in-mask tokens."""
-    valid, scores = rollout["valid"], rollout["scores"]
+    valid, scores, clip = rollout["valid"], rollout["scores"], args.clip_score
     with torch.no_grad():
         valid_scores = torch.where(valid, scores, 0.0)
         sums = sum_over_ranks({
             **update_sums,
             "responses": torch.tensor(float(len(valid)), device=scores.device), "valid": valid.sum(),
             "kl": rollout["kl"].sum(dim=1).sum(), "scores": valid_scores.sum(),
-            "scores_squared": (valid_scores**2).sum(),
-            "scores_clipped": (valid & (scores.abs() >= args.clip_score)).sum(),
+            "scores_squared": (valid_scores**2).sum(), "clipped_scores": valid_scores.clamp(-clip, clip).sum(),
+            "scores_clipped": (valid & (scores.abs() >= clip)).sum(),
             "sequence_entropy": torch.where(rollout["update_mask"].bool(), -rollout["logprobs"], 0.0).sum(),
             "eos": rollout["contains_eos"].sum(), "length": rollout["response_mask"].sum(),
         })
@@ -894,7 +915,8 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
         "objective/kl": sums["kl"] / per_response,
         "objective/entropy": sums["sequence_entropy"] / per_response,
         "objective/non_score_reward": -kl_coef * sums["kl"] / per_response,
-        "objective/rlhf_reward": mean_score - kl_coef * sums["kl"] / per_response,
+        # What PPO maximises: the clipped score the rewards carry, minus the KL penalty (objective/scores is unclipped).
+        "objective/rlhf_reward": sums["clipped_scores"] / per_response - kl_coef * sums["kl"] / per_response,
         "objective/scores": mean_score,
         "objective/scores_std": max(sums["scores_squared"] / per_response - mean_score**2, 0.0) ** 0.5,
         "objective/scores_clipfrac": sums["scores_clipped"] / per_response,
@@ -997,25 +1019,45 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
 
 def init_ema(actor, args: Args):
     """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation only:
-    frozen, ZeRO-3 when the actor is. It stays in fp32 whatever --dtype: each step moves a weight by (1 - decay) =
-    0.8% of its gap to the actor's, mostly far below bf16's resolution (0.4% of the weight), so in bf16 most steps
-    would round away. It starts as the actor (decay 0), the same adapters included."""
+    frozen, ZeRO-3 when the actor is. A plain model (the actor's LoRA adapters are merged into it at every update),
+    in fp32 whatever --dtype: each step moves a weight by (1 - decay) = 0.8% of its gap to the actor's, mostly far
+    below bf16's resolution (0.4% of the weight), so in bf16 most steps would round away. It starts as the actor."""
     ema_ds_config = deepspeed_config(3 if args.actor_zero_stage == 3 else 0, False, False, args)
     ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
     ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
-                      ema_ds_config, args, lora_dim=args.actor_lora_dim)
+                      ema_ds_config, args)
     update_ema(ema, actor, 0.0)
     return ema
 
+def master_weight(engine, param) -> torch.Tensor:
+    """A parameter as the optimizer holds it, whole: under bf16, fp16 or ZeRO, DeepSpeed's fp32 master copy (the
+    module's weight is its rounded or partitioned copy); a frozen parameter's module weight, gathered."""
+    if param.requires_grad and engine.optimizer is not plumbing.torch_optimizer(engine):
+        return deepspeed.utils.safe_get_full_fp32_param(param)
+    with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
+        return param.detach().float().clone()
+
 def update_ema(ema, actor, decay: float) -> None:
-    """ema = decay * ema + (1 - decay) * actor for every parameter (rlhf_math.ema_update). Under ZeRO-3 each pair is
-    gathered in turn and the EMA's new value written back to the ranks' partitions (modifier_rank)."""
-    zero3 = actor.zero_optimization_stage() == 3  # the EMA's stage follows the actor's
+    """ema = decay * ema + (1 - decay) * actor for every weight (rlhf_math.ema_update), from the actor's fp32 master
+    weights, each LoRA adapter merged into the weight it adapts: W + (alpha / r) B A (the average of the merged
+    weights, not the product of averaged factors). Under ZeRO-3 the EMA's new value goes back to the ranks'
+    partitions (modifier_rank)."""
+    layers, params = dict(actor.module.named_modules()), dict(actor.module.named_parameters())
     with torch.no_grad():
-        for ema_param, param in zip(ema.module.parameters(), actor.module.parameters()):
-            with deepspeed.zero.GatheredParameters(param, enabled=zero3), \
-                    deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0, enabled=zero3):
-                ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, param.data.to(ema_param.dtype), decay))
+        for name, ema_param in ema.module.named_parameters():
+            layer_name, _, kind = name.rpartition(".")
+            layer = layers.get(layer_name)
+            if isinstance(layer, peft.tuners.lora.LoraLayer):
+                value = master_weight(actor, getattr(layer.base_layer, kind))
+                if kind == "weight":
+                    delta = master_weight(actor, layer.lora_B["default"].weight) @ \
+                        master_weight(actor, layer.lora_A["default"].weight)
+                    value = value + layer.scaling["default"] * peft.utils.transpose(delta, layer.fan_in_fan_out)
+            else:
+                value = master_weight(actor, params[name])
+            with deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0,
+                                                   enabled=ema.zero_optimization_stage() == 3):
+                ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, value.to(ema_param.device), decay))
 
 def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor:
     """The pretraining mix's plain text (InstructGPT's PPO-ptx), tokenized, joined with EOS between documents and cut
@@ -1127,6 +1169,7 @@ if __name__ == "__main__":
     # starts. The critic starts as a copy of the reward model: its outputs are mapped the same way, by its own config.
     reward_mean, reward_std = score_normalization(reward.module.config)
     critic_mean, critic_std = score_normalization(critic.module.config)
+    check_normalization(reward.module.config, args)
     if is_main and not hasattr(reward.module.config, "reward_std"):
         print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
               "are used unnormalized")

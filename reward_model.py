@@ -279,9 +279,15 @@ if __name__ == "__main__":
         args.tokenizer_name_or_path or args.model_name_or_path,
         "check --tokenizer-name-or-path" if args.tokenizer_name_or_path else model_hint, args.trust_remote_code,
         is_main, args.model_name_or_path)
-    if args.policy_model_name_or_path is not None:  # it samples the normalization's responses with this tokenizer
-        plumbing.check_vocabulary(tokenizer, args.policy_model_name_or_path, "check --policy-model-name-or-path",
-                                  args.trust_remote_code, added_pad_token)
+    # The policy that samples the normalization's responses reads its own tokens: with another vocabulary than the
+    # reward model's, each prompt is decoded to text and tokenized for it, and each response back for the reward model.
+    policy_tokenizer = None
+    if args.policy_model_name_or_path is not None:
+        policy_tokenizer = plumbing.load_other_tokenizer(args.policy_model_name_or_path, "check "
+                                                         "--policy-model-name-or-path", tokenizer, args.trust_remote_code)
+        plumbing.check_vocabulary(policy_tokenizer or tokenizer, args.policy_model_name_or_path,
+                                  "check --policy-model-name-or-path", args.trust_remote_code,
+                                  0 if policy_tokenizer else added_pad_token)
 
     # Data
     columns = [args.chosen_column, args.rejected_column]
@@ -408,7 +414,7 @@ if __name__ == "__main__":
     policy_path = args.policy_model_name_or_path or args.model_name_or_path
     policy = plumbing.load_pretrained(AutoModelForCausalLM, policy_path, "check --policy-model-name-or-path",
                                       dtype=dtype, trust_remote_code=args.trust_remote_code)
-    if added_pad_token:  # the pad token added above must exist for the policy too (it pads the prompts)
+    if added_pad_token and policy_tokenizer is None:  # the pad token added above pads the policy's prompts too
         policy.resize_token_embeddings(len(tokenizer))
     if args.zero_stage == 3:  # partitioned like the reward model (HfDeepSpeedConfig is still alive)
         # The engine stays referenced: freeing it would remove the hooks that gather the partitioned weights.
@@ -421,10 +427,10 @@ if __name__ == "__main__":
     policy.eval()
     # Plain multinomial sampling at the temperature, pad suppressed; this replaces the folder's own
     # generation_config.json, whose settings (a repetition penalty, min_new_tokens) would change what is sampled.
+    sampler = policy_tokenizer or tokenizer
     policy.generation_config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        suppress_tokens=[tokenizer.pad_token_id])
+        eos_token_id=sampler.eos_token_id, pad_token_id=sampler.pad_token_id, suppress_tokens=[sampler.pad_token_id])
     per_rank = math.ceil(args.normalization_samples / args.world_size)  # the same on every rank: ZeRO-3 steps together
     picked = random.Random(args.seed).choices(range(len(train_data)), k=per_rank * args.world_size)
     prompts = [train_data[i]["prompt"] for i in picked[dist.get_rank() :: args.world_size]]
@@ -432,13 +438,21 @@ if __name__ == "__main__":
     with torch.no_grad():
         for start in range(0, per_rank, args.per_device_eval_batch_size):
             batch = prompts[start : start + args.per_device_eval_batch_size]
-            width = max(len(p) for p in batch)  # left padding, so that every response starts at position `width`
-            prompt_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in batch], device=device)
-            prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+            policy_batch = batch if policy_tokenizer is None else [policy_tokenizer(
+                tokenizer.decode(p, skip_special_tokens=True), split_special_tokens=True)["input_ids"] for p in batch]
+            width = max(len(p) for p in policy_batch)  # left padding: every response starts at position `width`
+            prompt_ids = torch.tensor([[sampler.pad_token_id] * (width - len(p)) + p for p in policy_batch],
+                                      device=device)
+            prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in policy_batch], device=device)
             responses = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                         synced_gpus=args.zero_stage == 3)[:, width:]
-            lengths = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id).sum(dim=1)  # EOS included
-            sequences = [p + r[:n].tolist() for p, r, n in zip(batch, responses, lengths)]
+            lengths = rlhf_math.response_mask_from_stop(responses, sampler.eos_token_id).sum(dim=1)  # EOS included
+            responses = [r[:n].tolist() for r, n in zip(responses, lengths)]
+            if policy_tokenizer is not None:  # the response's text in the reward model's tokens, its EOS kept
+                responses = [tokenizer(policy_tokenizer.decode(r, skip_special_tokens=True), add_special_tokens=False,
+                                       split_special_tokens=True)["input_ids"]
+                             + [tokenizer.eos_token_id] * (sampler.eos_token_id in r) for r in responses]
+            sequences = [p + r for p, r in zip(batch, responses)]
             scored = right_pad(sequences, tokenizer.pad_token_id)
             scores = sequence_scores(engine.module, scored["input_ids"].to(device),
                                      scored["attention_mask"].to(device)).double()
@@ -446,8 +460,17 @@ if __name__ == "__main__":
                                     scores.sum(), (scores**2).sum()])
     dist.all_reduce(moments)
     n, total, total_squares = moments.tolist()
-    engine.module.config.reward_mean = total / n
-    engine.module.config.reward_std = math.sqrt(max(total_squares - n * (total / n) ** 2, 0.0) / (n - 1))
+    reward_mean, reward_std = total / n, math.sqrt(max(total_squares - n * (total / n) ** 2, 0.0) / (n - 1))
+    if not (math.isfinite(reward_mean) and math.isfinite(reward_std) and reward_std > 0):
+        plumbing.fail(f"the scores of the {int(n)} normalization responses have mean {reward_mean} and standard "
+                      f"deviation {reward_std}: the reward model must score them finite and not all alike; train it "
+                      "longer, or check --policy-model-name-or-path, --temperature and --max-new-tokens")
+    engine.module.config.reward_mean, engine.module.config.reward_std = reward_mean, reward_std
+    # What the scale was measured on, for ppo.py to compare with its actor and sampling (check_normalization).
+    engine.module.config.reward_normalization = {"policy": policy_path,
+                                                 "policy_identity": plumbing.folder_identity(policy_path),
+                                                 "temperature": args.temperature,
+                                                 "max_new_tokens": args.max_new_tokens}
     if is_main:
         print(f"reward normalization: on {int(n)} responses of {policy_path!r} to training prompts the scores have mean "
               f"{engine.module.config.reward_mean:.4f} and standard deviation {engine.module.config.reward_std:.4f}, "

@@ -227,3 +227,25 @@ def test_reward_model_with_its_own_tokenizer(tmp_path, capsys):
                    "--reward-model", str(reward_folder), "--split", "test[:8]", "--output-dir", str(tmp_path / "eval"))
     evaluation = json.load(open(tmp_path / "eval" / "evaluation.json"))
     assert math.isfinite(evaluation["ppo"]["mean_score"]), evaluation
+
+
+def test_reward_normalization_with_a_policy_of_another_tokenizer(tmp_path):
+    """reward_model.py samples the normalization's responses from a policy with another vocabulary in the policy's own
+    tokens (each prompt's text tokenized for it, each response's text tokenized back for the reward model, its EOS
+    kept), instead of feeding it the reward model's ids; the stored record names that policy."""
+    texts = [json.loads(line)["prompt"] + json.loads(line)["chosen"] for line in open("toy_task/data/train.jsonl")]
+    policy_tokenizer = other_tokenizer(texts[:2000])
+    config = AutoConfig.for_model("llama", vocab_size=len(policy_tokenizer), pad_token_id=policy_tokenizer.pad_token_id,
+                                  eos_token_id=policy_tokenizer.eos_token_id, **ARCHITECTURES["llama"])
+    config.max_position_embeddings = 256
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "policy")
+    policy_tokenizer.save_pretrained(tmp_path / "policy")
+    error = run_in_process("reward_model.py", ["--train-split", "train[:16]", "--eval-split", "test[:8]",
+                                               "--per-device-train-batch-size", "8", "--model-name-or-path",
+                                               TOY_TOKENIZER, "--policy-model-name-or-path", str(tmp_path / "policy"),
+                                               "--normalization-samples", "8", "--output-dir", str(tmp_path / "rm")],
+                           must_stop=False)
+    assert error is None, error
+    saved = AutoConfig.from_pretrained(tmp_path / "rm")
+    assert saved.reward_normalization["policy"] == str(tmp_path / "policy") and saved.reward_std > 0

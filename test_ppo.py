@@ -32,23 +32,13 @@ from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
 from test_plumbing import HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
-from test_sft_and_reward_model import (ENV, FEW_STEPS, check_errors, free_port, launcher, processes_with, run,
+from test_sft_and_reward_model import (ENV, check_errors, free_port, launcher, processes_with, run,
                                        run_in_process)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
 FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
                   "--per-device-train-batch-size", "2", "--num-ppo-epochs", "2", "--max-new-tokens", "12",
                   "--sample-every", "1"]
-
-
-@pytest.fixture(scope="module")
-def stages(tmp_path_factory):
-    """SFT and reward model checkpoints, a few steps each."""
-    root = tmp_path_factory.mktemp("stages")
-    run("sft.py", *FEW_STEPS, "--output-dir", str(root / "sft"))
-    run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(root / "sft"), "--output-dir", str(root / "rm"),
-        "--normalization-samples", "64")
-    return ["--actor-model-name-or-path", str(root / "sft"), "--reward-model-name-or-path", str(root / "rm")]
 
 
 def run_ppo(stages, out, *flags, ranks=None, check=True):
@@ -103,17 +93,23 @@ def check_actor_trained(out, stages):
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_generation_and_forward_log_probs_agree(model_type):
     """The log-probs ppo.py computes by a forward pass over prompt + response are those of the distribution the
-    response was sampled from: same positions (left padding, the shift by one), same temperature, in every family."""
+    response was sampled from with ppo.sampling_config: same positions (left padding, the shift by one), same
+    temperature, in every family."""
     tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
     model, _ = tiny_models(model_type, tokenizer)
     prompts = tokenizer(["I watched this film last night and", "We saw it"], padding=True, return_tensors="pt")
     torch.manual_seed(0)
-    out = model.generate(**prompts, do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=8,
-                         min_new_tokens=8, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = ppo.sampling_config(tokenizer, max_new_tokens=8, temperature=0.7)
+    config.eos_token_id = None  # all 8 tokens, whatever the random model samples
+    out = model.generate(**prompts, generation_config=config, output_logits=True, output_scores=True,
+                         return_dict_in_generate=True)
     P = prompts["input_ids"].shape[1]
     responses = out.sequences[:, P:]
     sampled_logprobs = rlhf_math.logprobs_from_logits(torch.stack(out.logits, dim=1), responses, temperature=0.7)
+    # What ppo.sampling_config samples from: the logits at the temperature, the pad token suppressed, nothing else.
+    expected_scores = torch.stack(out.logits, dim=1) / 0.7
+    expected_scores[..., tokenizer.pad_token_id] = -math.inf
+    torch.testing.assert_close(torch.stack(out.scores, dim=1), expected_scores)
     attention_mask = torch.cat([prompts["attention_mask"], torch.ones_like(responses)], dim=1)
     with torch.no_grad():
         logits = response_logits(model, out.sequences, attention_mask, P)
@@ -162,76 +158,6 @@ def test_logprobs_values_and_scores_of_a_padded_batch_are_those_of_each_row_alon
             head = classifier.score(hidden)[0, :, 0]
             torch.testing.assert_close(values[i, :r], (head[p - 1 : -1] - 0.5) / 2.0, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(scores[i], (classifier(alone).logits[0, 0] - 0.5) / 2.0, rtol=1e-5, atol=1e-5)
-
-
-def test_one_rank_and_two_ranks_agree(stages, tmp_path):
-    """The same 8 responses, trained on 1 rank in one micro-batch, on 1 rank in 4 micro-batches, and on 2 ranks in 2
-    micro-batches each, give the same metrics and the same critic: every metric is a mean over all ranks' responses
-    or tokens (not a mean of the ranks' means), and with --loss-aggregation token-mean every token of a mini-batch
-    weighs the same however the mini-batch is split. At temperature 1e-5 sampling is deterministic, so every layout
-    draws the same responses; they differ in length, so a mean of micro-batch means would differ."""
-    # Prompts whose responses differ in length (the few-step SFT model answers most toy prompts alike).
-    prompts = ["I watched this film last night and the plot was", "We saw it, and although the",
-               "My sister recommended this, and in short the cast", "I gave this small indie film a chance and",
-               "I rewatched this old classic, and all in all, the music",
-               "After all the hype I bought a ticket, and the twist was not",
-               "We picked this musical for our movie night, and the dialogue seemed",
-               "I took my kids to this family adventure, and the ending felt like"]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
-    flags = ["--dataset", str(data), "--total-episodes", "8", "--num-mini-batches", "1", "--num-ppo-epochs", "1",
-             "--temperature", "1e-5", "--max-new-tokens", "24", "--critic-learning-rate", "1e-3"]
-    layouts = {"one micro-batch": (None, ["--per-device-rollout-batch-size", "8", "--per-device-train-batch-size", "8"]),
-               "four micro-batches": (None, ["--per-device-rollout-batch-size", "8",
-                                             "--per-device-train-batch-size", "2"]),
-               "two ranks": (2, ["--per-device-rollout-batch-size", "4", "--per-device-train-batch-size", "2"])}
-    metrics, critics = {}, {}
-    for name, (ranks, layout) in layouts.items():
-        out = tmp_path / name.replace(" ", "_")
-        _, exp_name = run_ppo(stages, out, *flags, *layout, ranks=ranks)
-        (metrics[name],) = read_metrics(exp_name)
-        critics[name] = saved_weights(out / "critic")
-    lengths = metrics["one micro-batch"]["val/response_length"]
-    assert metrics["one micro-batch"]["val/num_eos_tokens"] > 0 and lengths != round(lengths)  # lengths differ
-    start = saved_weights(stages[3])
-    assert any(not torch.equal(critics["one micro-batch"][n], start[n]) for n in start)  # the critic did train
-    for name in ["four micro-batches", "two ranks"]:
-        for metric in ["objective/scores", "objective/scores_std", "objective/kl", "val/response_length",
-                       "val/num_eos_tokens", "loss/value_avg", "val/clipfrac_avg", "loss/policy_avg", "val/ratio",
-                       "policy/entropy_avg"]:
-            assert metrics[name][metric] == pytest.approx(metrics["one micro-batch"][metric], rel=1e-4, abs=1e-5), \
-                (name, metric)
-        for n, weight in critics["one micro-batch"].items():
-            torch.testing.assert_close(critics[name][n], weight, rtol=0, atol=2e-5, msg=lambda m: f"{name} {n}: {m}")
-
-
-def test_adaptive_kl_whitened_rewards_temperature_and_discount(stages, tmp_path):
-    """The paths off the defaults: Ziegler's adaptive KL controller (beta moves by the formula, from the logged KL),
-    reward whitening, a sampling temperature other than 1 (the first ratio is still exactly 1: ppo.py checks it),
-    gamma below 1 and the k3 KL estimator (never negative)."""
-    result, exp_name = run_ppo(stages, tmp_path / "paths", "--total-episodes", "24", "--target-kl", "0.5",
-                               "--kl-horizon", "100", "--whiten-rewards", "--temperature", "0.7", "--gamma", "0.9",
-                               "--kl-estimator", "k3")
-    metrics = read_metrics(exp_name)
-    check_metrics(metrics, 3)
-    assert all(m["objective/kl"] >= 0 for m in metrics)  # k3 is never negative, per token
-    assert metrics[0]["objective/kl_coef"] == 0.1
-    for before, after in zip(metrics, metrics[1:]):
-        # beta' = beta (1 + clip(KL / 0.5 - 1, -0.2, 0.2) x 8 / 100)
-        error = min(max(before["objective/kl"] / 0.5 - 1, -0.2), 0.2)
-        assert after["objective/kl_coef"] == pytest.approx(before["objective/kl_coef"] * (1 + error * 8 / 100))
-    assert metrics[-1]["objective/kl_coef"] != 0.1
-
-
-def test_missing_eos_penalty(stages, tmp_path):
-    # One new token: a response that is a bare EOS is invalid (no real token), so every valid response lacks an EOS
-    # and scores -1 in place of the reward model's score.
-    result, exp_name = run_ppo(stages, tmp_path / "eos", "--total-episodes", "16", "--max-new-tokens", "1",
-                               "--missing-eos-penalty", "1.0")
-    metrics = read_metrics(exp_name)
-    check_metrics(metrics, 2)
-    for m in metrics:
-        assert m["objective/scores"] == -1.0 and m["objective/scores_std"] == 0.0
 
 
 def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
@@ -286,13 +212,15 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
 
 
 @pytest.mark.parametrize("ranks, sigs, flags", [
-    (None, [signal.SIGTERM, signal.SIGKILL], ["--enable-ema", "--actor-lora-dim", "4", "--critic-lora-dim", "4"]),
+    (None, [signal.SIGTERM, signal.SIGKILL], ["--enable-ema", "--actor-lora-dim", "4", "--critic-lora-dim", "4",
+                                              "--target-kl", "0.01", "--kl-horizon", "100"]),
     (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--dtype", "bf16", "--enable-ema"]),
 ])
 def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
     """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
     uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included, and
-    the EMA and LoRA adapters (on one rank) or the EMA under ZeRO-3 in bf16 (on two) end where they would have. On
+    the EMA and LoRA adapters and the adaptive KL coefficient (on one rank) or the EMA under ZeRO-3 in bf16 (on two)
+    end where they would have. On
     one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
     one metrics file, with every iteration logged once."""
     iterations = 6  # of 8 prompts per rank
@@ -330,7 +258,8 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     assert [m["iteration"] for m in resumed] == list(range(1, iterations + 1))  # one file, each iteration once
     for after in resumed:
         before = uninterrupted[after["iteration"] - 1]
-        for name in ["objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "lr"]:
+        for name in ["objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "loss/value_avg",
+                     "lr"]:
             assert after[name] == pytest.approx(before[name], rel=1e-5, abs=1e-6), (after["iteration"], name)
     for folder in ["actor", "actor_ema"]:
         straight, resumed = saved_weights(tmp_path / "straight" / folder), saved_weights(out / folder)
@@ -717,8 +646,9 @@ def saved_weights(folder):
 
 
 def test_ema_is_the_decayed_average_of_the_actor_weights(stages, tmp_path):
-    """On 2 ranks, actor and critic under ZeRO-3 (with the pretraining mix and the critic's LoRA on too): after two
-    actor steps, the saved EMA is d^2 w0 + (1 - d)(d w1 + w2) of the actor's weights w0 (SFT), w1, w2."""
+    """On 2 ranks, actor and critic under ZeRO-3 (with the pretraining mix and LoRA on both too): after two actor
+    steps, the saved EMA is d^2 w0 + (1 - d)(d w1 + w2) of the actor's weights w0 (SFT), w1, w2, each LoRA adapter
+    merged into its layer (the average of the merged weights, not the product of the averaged factors)."""
     decay = 0.5
     history = [saved_weights(stages[1])]
     for iterations in (1, 2):
@@ -726,7 +656,7 @@ def test_ema_is_the_decayed_average_of_the_actor_weights(stages, tmp_path):
         _, exp_name = run_ppo(stages, out, "--total-episodes", str(16 * iterations), *ONE_STEP_PER_ITERATION,
                               "--enable-ema", "--ema-decay", str(decay), "--actor-zero-stage", "3",
                               "--critic-zero-stage", "3", "--unsup-dataset", "toy_task/pretrain.txt",
-                              "--critic-lora-dim", "4", ranks=2)
+                              "--critic-lora-dim", "4", "--actor-lora-dim", "4", ranks=2)
         history.append(saved_weights(out / "actor"))
         metrics = read_metrics(exp_name)
         check_metrics(metrics, iterations)
@@ -793,25 +723,6 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
-
-
-def test_pretraining_mix_lowers_the_language_modelling_loss(stages, tmp_path):
-    """The same PPO run with and without --unsup-dataset: the actor trained with the mix has the lower loss on the
-    plain text."""
-    tokenizer = AutoTokenizer.from_pretrained(stages[1])
-    lines = open("toy_task/pretrain.txt").read().splitlines()[:200]
-    losses = {}
-    for mix in (False, True):
-        out = tmp_path / f"mix_{mix}"
-        flags = ["--unsup-dataset", "toy_task/pretrain.txt"] if mix else []
-        _, exp_name = run_ppo(stages, out, "--total-episodes", "16", *flags)
-        read_metrics(exp_name)
-        actor = AutoModelForCausalLM.from_pretrained(out / "actor")
-        with torch.no_grad():
-            losses[mix] = sum(actor(**tokenizer(line, return_tensors="pt"),
-                                    labels=tokenizer(line, return_tensors="pt")["input_ids"]).loss.item()
-                              for line in lines) / len(lines)
-    assert losses[True] < losses[False], losses
 
 
 ALIGN_OVERFLOW_SCRIPT = """

@@ -5,7 +5,6 @@ checked. The bad-input tests check that each mistake stops the script with a one
 """
 
 import glob
-import json
 import math
 import os
 import runpy
@@ -16,10 +15,10 @@ import time
 
 import pytest
 import torch
+import transformers
 import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-import evaluate
 import plumbing
 from plumbing import free_port
 import ppo
@@ -124,29 +123,44 @@ def test_sft_two_ranks_zero3(tmp_path):
     check_sft_folder(str(tmp_path / "sft"))
 
 
-def normalized_scores_of_samples(policy_path, reward_path, prompts, seed):
-    """(score - reward_mean) / reward_std of one response per prompt, sampled from the policy as ppo.py samples."""
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
-    policy = AutoModelForCausalLM.from_pretrained(policy_path).eval()
-    reward = AutoModelForSequenceClassification.from_pretrained(reward_path).eval()
-    result = evaluate.answer(policy, policy, reward, tokenizer, None, tokenizer(prompts)["input_ids"],
-                             ppo.sampling_config(tokenizer, max_new_tokens=24, temperature=1.0),
-                             evaluate.Args(seed=seed, batch_size=len(prompts), gold_judge=False),
-                             reward.config.reward_mean, reward.config.reward_std, torch.device("cpu"))
-    return torch.tensor(result["scores"])
-
-
 def test_reward_model_one_rank(sft_checkpoint, tmp_path):
     result = run("reward_model.py", *FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir",
-                 str(tmp_path / "rm"), "--normalization-samples", "256")
-    assert "held-out accuracy" in result.stdout and "reward normalization: on 256 responses" in result.stdout
+                 str(tmp_path / "rm"), "--normalization-samples", "32")
+    assert "held-out accuracy" in result.stdout and "reward normalization: on 32 responses" in result.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
-    # The stored normalization is that of the SFT policy's responses to training prompts: on other samples of it
-    # (another seed), the normalized scores have mean about 0 and standard deviation about 1 (the standard errors of
-    # both estimates together: about 0.09 for the mean, 0.06 for the standard deviation).
-    prompts = [json.loads(line)["prompt"] for line in open("toy_task/data/train.jsonl")][:64] * 4
-    scores = normalized_scores_of_samples(sft_checkpoint, str(tmp_path / "rm"), prompts, seed=12345)
-    assert abs(scores.mean().item()) < 0.3 and abs(scores.std().item() - 1) < 0.25, (scores.mean(), scores.std())
+
+
+def test_the_stored_normalization_is_that_of_the_sampled_responses(sft_checkpoint, tmp_path, monkeypatch):
+    """reward_mean and reward_std are the mean and standard deviation of the trained reward model's scores of the
+    responses the policy sampled, as ppo.py samples (temperature, length): each response is recorded as generate
+    returned it, cut after its EOS, and scored again here by the saved model, prompt + response alone, unpadded."""
+    sampled, generate = [], transformers.GenerationMixin.generate
+
+    def recording_generate(model, **kwargs):
+        sequences = generate(model, **kwargs)
+        sampled.append((kwargs["input_ids"], kwargs["attention_mask"], sequences, model.generation_config))
+        return sequences
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", recording_generate)
+    out = tmp_path / "rm"
+    assert run_in_process("reward_model.py", [*FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir",
+                                              str(out), "--normalization-samples", "24", "--temperature", "0.8",
+                                              "--max-new-tokens", "10"], must_stop=False) is None
+    model, eos = AutoModelForSequenceClassification.from_pretrained(out).eval(), check_tokenizer(out).eos_token_id
+    scores = []
+    for prompt_ids, prompt_mask, sequences, config in sampled:
+        assert (config.temperature, config.max_new_tokens, config.top_k, config.top_p) == (0.8, 10, 0, 1.0)
+        for prompt, mask, sequence in zip(prompt_ids, prompt_mask, sequences):
+            response = sequence[prompt_ids.shape[1] :].tolist()
+            response = response[: response.index(eos) + 1] if eos in response else response
+            with torch.no_grad():
+                scores.append(model(torch.tensor([prompt[mask.bool()].tolist() + response])).logits[0, 0].double())
+    scores = torch.stack(scores)
+    assert len(scores) == 24
+    assert model.config.reward_mean == pytest.approx(scores.mean().item(), abs=1e-5)
+    assert model.config.reward_std == pytest.approx(scores.std().item(), abs=1e-5)  # unbiased
+    assert model.config.reward_normalization == {"policy": sft_checkpoint, "temperature": 0.8, "max_new_tokens": 10,
+                                                 "policy_identity": plumbing.folder_identity(sft_checkpoint)}
 
 
 def test_reward_model_two_ranks_zero3(sft_checkpoint, tmp_path):

@@ -1,0 +1,15 @@
+"""The trained stages that test_ppo.py and test_ppo_loop.py start PPO from, trained once per test session."""
+
+import pytest
+
+from test_sft_and_reward_model import FEW_STEPS, run
+
+
+@pytest.fixture(scope="session")
+def stages(tmp_path_factory):
+    """SFT and reward model checkpoints, a few steps each, as ppo.py's flags."""
+    root = tmp_path_factory.mktemp("stages")
+    run("sft.py", *FEW_STEPS, "--output-dir", str(root / "sft"))
+    run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(root / "sft"), "--output-dir", str(root / "rm"),
+        "--normalization-samples", "64")
+    return ["--actor-model-name-or-path", str(root / "sft"), "--reward-model-name-or-path", str(root / "rm")]

@@ -1,0 +1,397 @@
+"""ppo.py's loop, every call site checked against an independent recomputation.
+
+A run of two iterations is recorded: at every optimizer step of actor and critic, the weights before the step, the
+gradient it applies, its learning rate and its mini-batch's rows, and once per iteration the rollout's tensors. The
+recorder reads them from the loop's own variables (the loop is inline in ppo.py's __main__) and saves them, one file
+per rank, when the run ends. The tests recompute each of them from the models' weights and the run's flags, calling
+rlhf_math (checked by hand in test_rlhf_math.py) and ppo.py's forward passes (checked row by row in test_ppo.py) with
+every argument named: the log-probs of actor and reference, the values, the scores, the rewards and KL, the
+advantages and returns, each step's gradient from the definition of the loss (every in-mask token of a mini-batch,
+all ranks together, weighs the same, or every micro-batch does), each AdamW step, and every logged metric. A slip at a
+call site (swapped arguments, a lost factor, an ignored flag, a flipped sign) changes one of them.
+"""
+
+import runpy
+import shutil
+import sys
+
+import deepspeed
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import plumbing
+import ppo
+import rlhf_math
+from test_ppo import read_metrics
+from test_sft_and_reward_model import run, run_in_process
+
+ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "returns", "mask"]  # ppo.py's rollout
+PER_ITERATION = ["P", "scores", "ref_logprobs", "rewards", "kl", "valid", "response_mask", "contains_eos", "kl_coef"]
+
+
+def install_recorder(set_attribute, path):
+    """Record what the loop computes (module docstring) into PATH.rankN when the run ends (plumbing.end_run).
+    set_attribute: monkeypatch.setattr in this process, setattr in a rank of its own."""
+    steps, rollouts = [], {}
+    engine_step = deepspeed.runtime.engine.DeepSpeedEngine.step
+
+    def step(engine, *args, **kwargs):
+        loop = sys._getframe(1).f_globals  # ppo.py's __main__, when the loop calls actor.step() or critic.step()
+        if loop.get("__name__") == "__main__" and "mini_batches" in loop and engine.is_gradient_accumulation_boundary():
+            iteration = loop["iteration"]
+            assert loop["batch"] is loop["rollout"], "these runs never reuse a batch"
+            if iteration not in rollouts:
+                rollouts[iteration] = {**{name: loop["rollout"][name].clone() for name in ROLLOUT},
+                                       **{name: loop[name] for name in PER_ITERATION},
+                                       "sampling": loop["actor"].module.generation_config.to_dict()}
+            module = engine.module
+            steps.append({"model": "actor" if engine is loop["actor"] else "critic", "iteration": iteration,
+                          "rows": loop["mini_batches"][loop["mini_batch_index"]].clone(),
+                          "lrs": [group["lr"] for group in engine.optimizer.param_groups],
+                          "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+                          "grads": {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}})
+        return engine_step(engine, *args, **kwargs)
+
+    end_run = plumbing.end_run
+
+    def save_then_end_run():
+        torch.save({"steps": steps, "rollouts": rollouts}, f"{path}.rank{dist.get_rank()}")
+        end_run()
+
+    set_attribute(deepspeed.runtime.engine.DeepSpeedEngine, "step", step)
+    set_attribute(plumbing, "end_run", save_then_end_run)
+
+
+def recorded_run(stages, out, flags, monkeypatch, ranks=None):
+    """ppo.py with stages and flags, recorded: in this process, or on `ranks` ranks (this file as each rank's script).
+    Returns each rank's record, the metrics lines and the run's arguments."""
+    argv = [*stages, *flags, "--output-dir", str(out), "--exp-name", f"test_{out.name}", "--sample-every", "0"]
+    if ranks:
+        run(__file__, *argv, ranks=ranks)
+    else:
+        install_recorder(monkeypatch.setattr, str(out))
+        error = run_in_process("ppo.py", argv, must_stop=False)
+        assert error is None, error
+    records = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(ranks or 1)]
+    return records, read_metrics(f"test_{out.name}"), plumbing.read_record(str(out))["args"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recomputation
+# ---------------------------------------------------------------------------------------------------------------
+def close(actual, expected, what, tolerance=2e-5):
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tolerance, atol=tolerance,
+                               msg=lambda message: f"{what}: {message}")
+
+
+def check_gradient(recorded, params, what):
+    """The run's gradient is the recomputed one, to 1e-4 of its norm (float32 sums in another order)."""
+    assert set(recorded) == {name for name, p in params.items() if p.grad is not None}, what
+    run, expected = (torch.cat([tensor.flatten().double() for tensor in tensors])
+                     for tensors in [recorded.values(), [params[name].grad for name in recorded]])
+    error = (run - expected).norm() / expected.norm()
+    assert error < 1e-4, f"{what}: the gradient differs from the recomputed one by {error:.2e} of its norm"
+
+
+def with_weights(model, weights):
+    """The model with these weights (the engine's parameter names; a tied output head follows its embedding)."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def whiten_stats(x, masks, rank, args):
+    """Mean and unbiased variance of x's in-mask values, over every rank's batch or this rank's alone."""
+    ranks = range(len(x)) if args["whiten_across_ranks"] else [rank]
+    values = torch.cat([x[r][masks[r].bool()].double() for r in ranks])
+    return values.mean(), values.var()
+
+
+def check_rollouts(records, metrics, models, args):
+    """Each iteration's rollout tensors and its objective/ metrics, from the weights the actor and critic had when it
+    was sampled (those before the iteration's first optimizer step) and the frozen reference and reward model."""
+    policy, reference, critic, reward_model, tokenizer = models
+    critic_config, reward_config = critic.config, reward_model.config
+    eos, pad, kl_coef = tokenizer.eos_token_id, tokenizer.pad_token_id, args["kl_coef"]
+    for iteration, m in enumerate(metrics):
+        steps = [s for s in records[0]["steps"] if s["iteration"] == iteration]
+        actor_weights = next(s for s in steps if s["model"] == "actor")["weights"]
+        critic_weights = next(s for s in steps if s["model"] == "critic")["weights"]
+        if iteration > 0 and args["target_kl"] is not None:  # Ziegler's controller, from the last iteration's KL
+            kl_coef = rlhf_math.adaptive_kl_coef(kl_coef=kl_coef, observed_kl=metrics[iteration - 1]["objective/kl"],
+                                                 target_kl=args["target_kl"], horizon=args["kl_horizon"],
+                                                 n_steps=args["batch_size"])
+        rollouts = [record["rollouts"][iteration] for record in records]
+        rewards, kl, scores, valid, masks = [], [], [], [], []
+        for r in rollouts:
+            S, A, P, T = r["sequences"], r["attention_mask"], r["P"], args["temperature"]
+            responses = S[:, P:]
+            response_mask = rlhf_math.response_mask_from_stop(responses, eos)
+            assert torch.equal(A, torch.cat([(S[:, :P] != pad).long(), response_mask], dim=1)), "attention mask"
+            assert torch.equal(responses, torch.where(response_mask.bool(), responses, pad)), "pad after EOS"
+            contains_eos = (responses == eos).any(dim=1)
+            is_valid = response_mask.sum(dim=1) - contains_eos.long() >= args["min_response_tokens"]
+            mask = response_mask * is_valid.unsqueeze(1)
+            assert torch.equal(r["mask"], mask) and torch.equal(r["valid"], is_valid), "update mask"
+            sampling = ppo.sampling_config(tokenizer, max_new_tokens=args["max_new_tokens"], temperature=T)
+            assert r["sampling"] == sampling.to_dict(), "the actor samples as ppo.sampling_config says"
+            in_mask = response_mask.bool()
+            with torch.no_grad():
+                logprobs = ppo.response_logprobs(with_weights(policy, actor_weights), S, A, P, temperature=T)
+                ref_logprobs = ppo.response_logprobs(reference, S, A, P, temperature=T)
+                values = ppo.critic_values(with_weights(critic, critic_weights), S, A, P,
+                                           mean=critic_config.reward_mean, std=critic_config.reward_std)
+                score = ppo.reward_scores(reward_model, S, A, P, mean=reward_config.reward_mean,
+                                          std=reward_config.reward_std)
+            if args["missing_eos_penalty"] is not None:
+                score = torch.where(contains_eos, score, -args["missing_eos_penalty"])
+            close(r["logprobs"][in_mask], logprobs[in_mask], "log pi_theta")
+            close(r["ref_logprobs"][in_mask], ref_logprobs[in_mask], "log pi_ref")
+            close(r["values"][in_mask], values[in_mask], "V(s_t)")
+            close(r["scores"], score, "scores")
+            # From here on the run's own (checked) inputs, so that the rest is compared to float precision.
+            reward, token_kl = rlhf_math.per_token_rewards(
+                scores=r["scores"], logprobs=r["logprobs"], ref_logprobs=r["ref_logprobs"], response_mask=mask,
+                kl_coef=kl_coef, clip_score=args["clip_score"], kl_estimator=args["kl_estimator"])
+            close(r["kl"], token_kl, "KL per token")
+            assert r["kl_coef"] == pytest.approx(kl_coef), "kl_coef"
+            rewards.append(reward), kl.append(token_kl), scores.append(r["scores"]), valid.append(is_valid)
+            masks.append(mask)
+        for rank, r in enumerate(rollouts):
+            reward = rewards[rank]
+            if args["whiten_rewards"]:
+                reward = rlhf_math.masked_whiten(reward, masks[rank], shift_mean=False,
+                                                 stats=whiten_stats(rewards, masks, rank, args))
+            close(r["rewards"], reward, "per-token rewards")
+        advantages = []
+        for rank, r in enumerate(rollouts):
+            advantage, returns = rlhf_math.gae_advantages_and_returns(
+                rewards=r["rewards"], values=r["values"], response_mask=masks[rank], gamma=args["gamma"],
+                lam=args["lam"])
+            in_mask = masks[rank].bool()
+            close(r["returns"][in_mask], returns[in_mask], "returns")
+            advantages.append(advantage)
+        for rank, r in enumerate(rollouts):
+            advantage = advantages[rank]
+            if args["whiten_advantages"]:
+                advantage = rlhf_math.masked_whiten(advantage, masks[rank],
+                                                    stats=whiten_stats(advantages, masks, rank, args))
+            in_mask = masks[rank].bool()
+            close(r["advantages"][in_mask], advantage[in_mask], "advantages", 1e-4)
+        # objective/: over the valid responses of all ranks
+        kl, scores, valid = torch.cat(kl), torch.cat(scores), torch.cat(valid)
+        responses = torch.cat([r["response_mask"] for r in rollouts])
+        kl_per_response = kl.sum() / valid.sum()
+        expected = {
+            "objective/kl": kl_per_response, "objective/scores": scores[valid].mean(),
+            "objective/scores_std": scores[valid].std(unbiased=False), "objective/kl_coef": kl_coef,
+            "objective/rlhf_reward": scores[valid].clamp(-args["clip_score"], args["clip_score"]).mean()
+            - kl_coef * kl_per_response,
+            "objective/non_score_reward": -kl_coef * kl_per_response,
+            "objective/scores_clipfrac": (scores[valid].abs() >= args["clip_score"]).float().mean(),
+            "objective/entropy": -torch.cat([torch.where(r["mask"].bool(), r["logprobs"], 0.0)
+                                             for r in rollouts]).sum() / valid.sum(),
+            "val/num_invalid": (~valid).sum(), "val/response_length": responses.sum() / len(responses),
+            "val/num_eos_tokens": torch.cat([r["contains_eos"] for r in rollouts]).sum(),
+            "episode": (iteration + 1) * args["batch_size"], "lr": next(s for s in steps if s["model"] == "actor")["lrs"][0]}
+        for name, value in expected.items():
+            assert m[name] == pytest.approx(float(value), rel=1e-5, abs=1e-6), (iteration, name)
+    # Each rank answers its own share of the iteration's prompts, drawn in an order shuffled once per pass.
+    prompts = plumbing.load_prompts(tokenizer, args["dataset"], args["train_split"], args["prompt_column"],
+                                    args["max_prompt_len"], False)
+    per_rank, per_pass = args["per_device_rollout_batch_size"], len(prompts) // args["batch_size"]
+    for iteration in range(len(metrics)):
+        order = np.random.default_rng([args["seed"], iteration // per_pass]).permutation(len(prompts))
+        first = iteration % per_pass * args["batch_size"]
+        for rank, record in enumerate(records):
+            r = record["rollouts"][iteration]
+            answered = [row[mask.bool()].tolist() for row, mask in zip(r["sequences"][:, : r["P"]],
+                                                                        r["attention_mask"][:, : r["P"]])]
+            assert answered == [prompts[i] for i in order[first + rank * per_rank : first + (rank + 1) * per_rank]]
+
+
+def pretraining_block(args, tokenizer):
+    """The one block of plain text (pretraining_text_file writes only copies of it): [1, P + R]."""
+    length = args["max_prompt_len"] + args["max_new_tokens"]
+    return torch.tensor([[*tokenizer(" good" * (length - 1))["input_ids"], tokenizer.eos_token_id]])
+
+
+def check_updates(records, metrics, models, args):
+    """Each optimizer step's gradient, recomputed at the weights the run had before that step, from the loss's
+    definition over the step's mini-batch (every rank's rows): PPO's clipped losses averaged over every in-mask token
+    (token-mean) or over the micro-batches' token means (micro-batch-mean), plus gamma times the pretraining mix's
+    language-modelling loss. And the update's metrics, summed over every micro-batch of every step."""
+    policy, _, critic, _, tokenizer = models
+    T, micro = args["temperature"], args["per_device_train_batch_size"]
+    block = pretraining_block(args, tokenizer) if args["unsup_dataset"] else None
+    sums = {}
+    for k, step in enumerate(records[0]["steps"]):
+        i, actor = step["iteration"], step["model"] == "actor"
+        model = with_weights(policy if actor else critic, step["weights"])
+        parts = [(record["rollouts"][i], record["steps"][k]["rows"]) for record in records]
+        num_tokens = sum(r["mask"][rows].sum() for r, rows in parts)
+        num_micro_batches = sum(len(rows.split(micro)) for _, rows in parts)
+        sums.setdefault(i, {"ratios": [], **{name: 0.0 for name in ["tokens", "pg_loss", "vf_loss", "entropy",
+                                                                      "approxkl", "clipfrac", "ratio", "vf_clipfrac",
+                                                                      "unsup"]}})
+        total = sums[i]
+        for r, rows in parts:
+            for micro_rows in rows.split(micro):
+                mb = {name: r[name][micro_rows] for name in ROLLOUT}
+                S, A, P, mask = mb["sequences"], mb["attention_mask"], r["P"], mb["mask"]
+                n = mask.sum()
+                weight = n / num_tokens if args["loss_aggregation"] == "token-mean" else 1 / num_micro_batches
+                if actor:
+                    logits = ppo.response_logits(model, S, A, P)
+                    loss, stats = rlhf_math.policy_loss(
+                        logprobs=rlhf_math.logprobs_from_logits(logits, S[:, P:], temperature=T),
+                        old_logprobs=mb["logprobs"], advantages=mb["advantages"], response_mask=mask,
+                        cliprange=args["cliprange"])
+                    entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(logits.detach(), T), mask)
+                    for name, value in [("pg_loss", loss), ("entropy", entropy), *stats.items()]:
+                        total[name] += float(value) * n
+                    total["tokens"] += n
+                    if n:
+                        total["ratios"].append(float(stats["ratio"]))
+                else:
+                    loss, clipfrac = rlhf_math.value_loss(
+                        values=ppo.critic_values(model, S, A, P, mean=critic.config.reward_mean,
+                                                 std=critic.config.reward_std),
+                        old_values=mb["values"], returns=mb["returns"], response_mask=mask,
+                        cliprange_value=args["cliprange_value"])
+                    total["vf_loss"] += float(loss) * n
+                    total["vf_clipfrac"] += float(clipfrac) * n
+                (weight * loss).backward()
+        if actor and block is not None:  # gamma * the language-modelling loss of the (one) block, once per step
+            unsup_loss = model(input_ids=block, labels=block).loss
+            (args["unsup_coef"] * unsup_loss).backward()
+            total["unsup"] += float(unsup_loss)
+        check_gradient(step["grads"], dict(model.named_parameters()), f"iteration {i}, step {k} ({step['model']})")
+    for i, total in sums.items():
+        ratios = torch.tensor(total["ratios"], dtype=torch.float64)
+        expected = {"loss/policy_avg": total["pg_loss"] / total["tokens"],
+                    "loss/value_avg": total["vf_loss"] / total["tokens"],
+                    "policy/entropy_avg": total["entropy"] / total["tokens"],
+                    "policy/approxkl_avg": total["approxkl"] / total["tokens"],
+                    "policy/clipfrac_avg": total["clipfrac"] / total["tokens"],
+                    "val/ratio": total["ratio"] / total["tokens"], "val/ratio_var": ratios.var(),
+                    "val/clipfrac_avg": total["vf_clipfrac"] / total["tokens"]}
+        if block is not None:
+            steps = sum(1 for step in records[0]["steps"] if step["iteration"] == i and step["model"] == "actor")
+            expected["loss/unsup_avg"] = total["unsup"] / steps
+        for name, value in expected.items():
+            assert metrics[i][name] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (i, name)
+
+
+def check_optimizer(records, out, models, args):
+    """AdamW, replayed from the models the run starts from with each step's (checked) gradient, clipped to
+    --gradient-clipping, at the scheduled learning rate, gives the weights the run had before its next step, and
+    at the end the actor and critic it saved."""
+    policy, _, critic, _, _ = models
+    num_steps = args["num_iterations"] * args["num_ppo_epochs"] * args["num_mini_batches"]
+    for name, model, start, learning_rate in [
+            ("actor", policy, args["actor_model_name_or_path"], args["actor_learning_rate"]),
+            ("critic", critic, args["critic_model_name_or_path"] or args["reward_model_name_or_path"],
+             args["critic_learning_rate"])]:
+        steps = [step for step in records[0]["steps"] if step["model"] == name]
+        assert len(steps) == num_steps
+        saved = type(model).from_pretrained(out / name)
+        params = {n: p.detach().clone().requires_grad_() for n, p in type(model).from_pretrained(start).named_parameters()}
+        adamw = torch.optim.AdamW(params.values(), lr=learning_rate, weight_decay=args["weight_decay"])
+        for k, step in enumerate([*steps, {"weights": dict(saved.named_parameters())}]):
+            for n, p in params.items():
+                close(p.detach(), step["weights"][n], f"{name} before step {k}: {n}", 1e-6)
+            if k == len(steps):
+                break
+            for n, p in params.items():
+                p.grad = step["grads"][n].clone()
+            if args["gradient_clipping"] > 0:
+                torch.nn.utils.clip_grad_norm_(params.values(), args["gradient_clipping"])
+            lr = learning_rate * (1 - k / num_steps if args["lr_scheduler_type"] == "linear" else 1)
+            assert step["lrs"] == [pytest.approx(lr)], (name, k)
+            adamw.param_groups[0]["lr"] = lr
+            adamw.step()
+
+
+def reference_models(stages, critic_path):
+    """Plain Hugging Face models of the run's four (actor and critic take each step's weights in turn)."""
+    sft, reward_model = stages[1], stages[3]
+    return (AutoModelForCausalLM.from_pretrained(sft).eval(), AutoModelForCausalLM.from_pretrained(sft).eval(),
+            AutoModelForSequenceClassification.from_pretrained(critic_path or reward_model).eval(),
+            AutoModelForSequenceClassification.from_pretrained(reward_model).eval(),
+            AutoTokenizer.from_pretrained(sft))
+
+
+@pytest.fixture(scope="module")
+def critic_start(stages, tmp_path_factory):
+    """A copy of the reward model with another normalization in its config, to start the critic from: the critic's
+    values and the reward model's scores are then mapped by different (mean, std)."""
+    folder = tmp_path_factory.mktemp("critic") / "critic_start"
+    shutil.copytree(stages[3], folder)
+    config = AutoConfig.from_pretrained(folder)
+    config.reward_mean, config.reward_std = config.reward_mean + 0.25, config.reward_std * 1.5
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def pretraining_text_file(path, args_flags):
+    """Plain text whose every block is the same (a document of one block's length, repeated)."""
+    length = int(args_flags[args_flags.index("--max-prompt-len") + 1]) + \
+        int(args_flags[args_flags.index("--max-new-tokens") + 1])
+    path.write_text((" good" * (length - 1) + "\n") * 40)
+    return str(path)
+
+
+# 2 iterations of 8 prompts per rank; each epoch splits a rank's 8 into 2 mini-batches of 2 micro-batches of 2.
+LAYOUT = ["--total-episodes", "16", "--per-device-rollout-batch-size", "8", "--num-mini-batches", "2",
+          "--per-device-train-batch-size", "2", "--num-ppo-epochs", "2", "--max-new-tokens", "10",
+          "--max-prompt-len", "32"]
+# Every coefficient off its default and apart from the others, so that a swap or an ignored flag shows.
+OFF_DEFAULTS = ["--temperature", "0.7", "--gamma", "0.9", "--lam", "0.8", "--cliprange", "0.1",
+                "--cliprange-value", "0.3", "--kl-coef", "0.3", "--target-kl", "0.02", "--kl-horizon", "100",
+                "--clip-score", "1.5", "--gradient-clipping", "0.5", "--actor-learning-rate", "2e-3",
+                "--critic-learning-rate", "3e-3", "--weight-decay", "0.1", "--min-response-tokens", "2"]
+
+
+def check_run(records, metrics, out, stages, critic_path, args):
+    models = reference_models(stages, critic_path)
+    assert len(metrics) == args["num_iterations"]
+    check_rollouts(records, metrics, models, args)
+    check_updates(records, metrics, models, args)
+    check_optimizer(records, out, models, args)
+
+
+def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys):
+    """One rank, the flags off their defaults, k3, reward whitening, the EOS trick and the pretraining mix. The
+    reward model's normalization was measured at another temperature and length: ppo.py says so."""
+    text = pretraining_text_file(tmp_path / "pretrain.txt", LAYOUT)
+    flags = [*LAYOUT, *OFF_DEFAULTS, "--critic-model-name-or-path", critic_start, "--kl-estimator", "k3",
+             "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5"]
+    records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
+    assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens 10 (measured " \
+        "with 24)." in capsys.readouterr().out
+    check_run(records, metrics, tmp_path / "recorded_one_rank", stages, critic_start, args)
+
+
+@pytest.mark.parametrize("aggregation, across_ranks", [("token-mean", True), ("micro-batch-mean", False)])
+def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks):
+    """Two ranks: the losses, the whitening and the metrics over both ranks' batches (or, for the whitening with
+    --no-whiten-across-ranks, each rank's own); constant learning rates, no gradient clipping."""
+    flags = [*LAYOUT, *OFF_DEFAULTS, "--per-device-rollout-batch-size", "4", "--num-mini-batches", "2",
+             "--per-device-train-batch-size", "1", "--critic-model-name-or-path", critic_start,
+             "--loss-aggregation", aggregation,
+             "--whiten-across-ranks" if across_ranks else "--no-whiten-across-ranks", "--gradient-clipping", "0",
+             "--lr-scheduler-type", "constant"]
+    out = tmp_path / f"recorded_two_ranks_{aggregation}"
+    records, metrics, args = recorded_run(stages, out, flags, monkeypatch, ranks=2)
+    check_run(records, metrics, out, stages, critic_start, args)
+
+
+if __name__ == "__main__":  # one rank of a recorded run: ppo.py, as the launcher started it, with the recorder
+    install_recorder(setattr, sys.argv[sys.argv.index("--output-dir") + 1])
+    sys.argv[0] = "ppo.py"
+    runpy.run_path("ppo.py", run_name="__main__")
