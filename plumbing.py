@@ -650,18 +650,40 @@ def torch_optimizer(engine):
     of DeepSpeed's wrapper, else the engine's own (DeepSpeed 0.19.8, test_killed_run_resumes_to_the_same_metrics)."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
+def local_master(engine, param) -> torch.Tensor | None:
+    """Under ZeRO-0, the fp32 tensor that the torch optimizer steps and keys its state by, whole on every rank: in
+    fp32 the parameter itself, in fp16 its copy in DeepSpeed's FP16_UnfusedOptimizer (its fp16_groups and
+    fp32_groups, DeepSpeed 0.19.8). None where DeepSpeed's tensor-fragment API assembles it (ZeRO 1-3, bf16)."""
+    optimizer = engine.optimizer
+    if optimizer is torch_optimizer(engine):
+        return param
+    if isinstance(optimizer, deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer):
+        for fp16_group, fp32_group in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            for fp16, fp32 in zip(fp16_group, fp32_group):
+                if fp16 is param:
+                    return fp32
+    return None
+
+def master_weight(engine, param) -> torch.Tensor:
+    """A parameter whole, as the optimizer holds it: the fp32 master copy that DeepSpeed keeps under bf16, fp16 or
+    ZeRO (the module's weight is its rounded or partitioned copy); a frozen parameter's module weight, gathered."""
+    if not param.requires_grad or engine.optimizer is None:
+        with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
+            return param.detach().float().clone()
+    master = local_master(engine, param)
+    return master.detach().float() if master is not None else deepspeed.utils.safe_get_full_fp32_param(param)
+
 def save_training_state(engine, path: str, is_main: bool) -> dict:
     """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors), whole, by the
-    engine's names (every rank takes part, rank 0 writes). Returns the optimizer's step and the scheduler's state."""
-    # DeepSpeed wraps the torch optimizer (ZeRO, bf16) and keeps an fp32 master copy of each parameter, which its
-    # tensor-fragment API assembles; under ZeRO-0 in fp32 it does not: each parameter is its own master copy.
+    engine's names (every rank takes part, rank 0 writes). Returns the optimizer's step, the scheduler's state and in
+    fp16 the loss scale's."""
     base_optimizer = torch_optimizer(engine)
-    plain = engine.optimizer is base_optimizer
     weights, moments = {}, {}
     for name, param in engine.module.named_parameters():
-        if plain:
-            master, state = param.detach(), engine.optimizer.state[param]
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        master = local_master(engine, param)
+        if master is not None:
+            state = base_optimizer.state[master]
+            master, exp_avg, exp_avg_sq = master.detach(), state["exp_avg"], state["exp_avg_sq"]
         else:
             master = deepspeed.utils.safe_get_full_fp32_param(param)
             exp_avg = deepspeed.utils.safe_get_full_optimizer_state(param, "exp_avg")
@@ -675,11 +697,26 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
         safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
         safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
     adam_step = int(next(iter(base_optimizer.state.values()))["step"])
-    return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict()}
+    return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict(), "loss_scale": loss_scale(engine)}
+
+LOSS_SCALE_FIELDS = ["cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"]
+
+def loss_scaler(engine):
+    """What holds fp16's dynamic loss scale in the engine's optimizer (ZeRO 1-3: its loss_scaler; ZeRO-0: its
+    loss_scale_config), or None without fp16 (DeepSpeed 0.19.8, no public API; test_fp16_resume_keeps_the_loss_scale)."""
+    optimizer = engine.optimizer
+    return (getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)) \
+        if engine.fp16_enabled() else None
+
+def loss_scale(engine) -> dict | None:
+    """The dynamic loss scale's state (the scale, the steps since the last overflow, the hysteresis), for --resume."""
+    scaler = loss_scaler(engine)
+    return None if scaler is None else {name: getattr(scaler, name) for name in LOSS_SCALE_FIELDS if hasattr(scaler, name)}
 
 def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
     """Restore what save_training_state wrote into an engine built as at the start: weights (the model's, in its dtype,
-    and under bf16 or ZeRO the fp32 master copy), Adam's moments and step count, and the learning rate."""
+    and under bf16 or ZeRO the fp32 master copy), Adam's moments and step count, the learning rate, and in fp16 the
+    loss scale."""
     # Adam's moments appear at the first step: one with lr 0 and zero gradients makes them; all is overwritten below.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
@@ -690,13 +727,15 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     load_weights(engine, weights)
     moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
     base_optimizer = torch_optimizer(engine)
-    plain = engine.optimizer is base_optimizer  # ZeRO-0 in fp32, as in save_training_state
     for name, param in engine.module.named_parameters():
-        if not plain:
+        master = local_master(engine, param)
+        if master is None:
             deepspeed.utils.safe_set_full_fp32_param(param, weights[name].to(device))
+        elif master is not param:  # fp16 at ZeRO-0: the fp32 copy (load_weights set the module's fp16 one)
+            master.data.copy_(weights[name])
         for moment in ("exp_avg", "exp_avg_sq"):
-            if plain:
-                engine.optimizer.state[param][moment].copy_(moments[f"{name}.{moment}"])
+            if master is not None:
+                base_optimizer.state[master][moment].copy_(moments[f"{name}.{moment}"])
             else:
                 deepspeed.utils.safe_set_full_optimizer_state(param, moments[f"{name}.{moment}"].to(device), moment)
     for state in base_optimizer.state.values():
@@ -705,6 +744,8 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     engine.lr_scheduler.load_state_dict(saved["scheduler"])
     for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
         group["lr"] = lr
+    for name, value in (saved.get("loss_scale") or {}).items():  # fp16: after the steps above, which moved it
+        setattr(loss_scaler(engine), name, value)
 
 def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
     """Why FOLDER cannot restore ENGINE (model.safetensors, and adam.safetensors if trained, whole and complete)."""

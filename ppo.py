@@ -732,10 +732,18 @@ def read_state(checkpoint: str) -> dict | None:
         return None
 
 def checkpoint_problem(checkpoint: str, engines: dict) -> str | None:
-    """Why --resume cannot continue from this checkpoint, or None: its state.json must read and each engine's files
-    must be whole safetensors files that hold a tensor for every parameter (and Adam's two moments of each)."""
+    """Why --resume cannot continue from this checkpoint, or None: its state.json and the ranks' last valid batches
+    must read, and each engine's files must be whole safetensors files that hold a tensor for every parameter (and
+    Adam's two moments of each)."""
     if read_state(checkpoint) is None:
         return "its state.json is missing or damaged"
+    for rank in range(dist.get_world_size()):  # every rank's batch, so that all ranks choose the same checkpoint
+        batch = os.path.join(checkpoint, f"last_valid_batch_rank{rank}.safetensors")
+        try:  # (a checkpoint written before checkpoints kept the batch has none)
+            if os.path.exists(batch):
+                safetensors.torch.load_file(batch)
+        except (OSError, safetensors.SafetensorError):
+            return f"{os.path.basename(batch)} is damaged"
     for folder, engine in engines.items():  # the EMA is frozen: it has no optimizer state
         problem = plumbing.engine_state_problem(os.path.join(checkpoint, folder), engine, folder != "actor_ema")
         if problem is not None:
@@ -790,10 +798,12 @@ def start_run(args: Args) -> dict:
     plumbing.make_run_dir(run_name)
     return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints, "inputs": identities}
 
-def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name: str, args: Args) -> None:
+def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_valid_rollout, run_name: str,
+                    args: Args) -> None:
     """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
-    EMA's weights), the iteration and the KL coefficient, written whole or not at all (plumbing.commit_checkpoint).
-    Every rank takes part (ZeRO gathers); rank 0 writes, and removes an earlier run's checkpoints."""
+    EMA's weights), the iteration, the KL coefficient and each rank's last valid batch (for reuse_last_valid_rollout),
+    written whole or not at all (plumbing.commit_checkpoint). Every rank takes part (ZeRO gathers) and writes its
+    batch; rank 0 writes the rest, and removes an earlier run's checkpoints."""
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
@@ -805,6 +815,11 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, run_name
                  "critic": plumbing.save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
         if ema is not None:
             plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
+        rollout, P = last_valid_rollout
+        os.makedirs(path + ".tmp", exist_ok=True)
+        safetensors.torch.save_file({**{k: v.cpu().contiguous() for k, v in rollout.items()}, "P": torch.tensor(P)},
+                                    os.path.join(path + ".tmp", f"last_valid_batch_rank{dist.get_rank()}.safetensors"))
+        dist.barrier()  # every rank's batch is written before rank 0 commits
         if is_main:
             plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
             plumbing.commit_checkpoint(path)
@@ -821,9 +836,10 @@ def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) 
     plumbing.save_engine_folder(actor, tokenizer, os.path.join(snapshots, f"iteration_{iteration}"),
                                 {**saved_by, "iteration": iteration, "finished": False}, merged_state_dict)
 
-def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device) -> tuple[int, float]:
+def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device):
     """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
-    that reads whole (checkpoint_problem); returns its iteration and KL coefficient."""
+    that reads whole (checkpoint_problem); returns its iteration, its KL coefficient and this rank's last valid batch
+    (None from a checkpoint written before checkpoints kept it)."""
     is_main = dist.get_rank() == 0
     engines = {"actor": actor, "critic": critic, **({"actor_ema": ema} if ema is not None else {})}
     for resume_dir in checkpoints:
@@ -845,7 +861,10 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
         left = args.num_iterations - state["iteration"]
         print(f"resumed from {resume_dir} at iteration {state['iteration']}; "
               + (f"{left} iterations left" if left else "no iteration left: saving the actor and the critic"))
-    return state["iteration"], state["kl_coef"]
+    batch_file = os.path.join(resume_dir, f"last_valid_batch_rank{dist.get_rank()}.safetensors")
+    batch = safetensors.torch.load_file(batch_file, device=str(device)) if os.path.exists(batch_file) else None
+    last_valid_rollout = None if batch is None else ({k: v for k, v in batch.items() if k != "P"}, int(batch["P"]))
+    return state["iteration"], state["kl_coef"], last_valid_rollout
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1029,14 +1048,6 @@ def init_ema(actor, args: Args):
     update_ema(ema, actor, 0.0)
     return ema
 
-def master_weight(engine, param) -> torch.Tensor:
-    """A parameter as the optimizer holds it, whole: under bf16, fp16 or ZeRO, DeepSpeed's fp32 master copy (the
-    module's weight is its rounded or partitioned copy); a frozen parameter's module weight, gathered."""
-    if param.requires_grad and engine.optimizer is not plumbing.torch_optimizer(engine):
-        return deepspeed.utils.safe_get_full_fp32_param(param)
-    with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
-        return param.detach().float().clone()
-
 def update_ema(ema, actor, decay: float) -> None:
     """ema = decay * ema + (1 - decay) * actor for every weight (rlhf_math.ema_update), from the actor's fp32 master
     weights, each LoRA adapter merged into the weight it adapts: W + (alpha / r) B A (the average of the merged
@@ -1048,13 +1059,13 @@ def update_ema(ema, actor, decay: float) -> None:
             layer_name, _, kind = name.rpartition(".")
             layer = layers.get(layer_name)
             if isinstance(layer, peft.tuners.lora.LoraLayer):
-                value = master_weight(actor, getattr(layer.base_layer, kind))
+                value = plumbing.master_weight(actor, getattr(layer.base_layer, kind))
                 if kind == "weight":
-                    delta = master_weight(actor, layer.lora_B["default"].weight) @ \
-                        master_weight(actor, layer.lora_A["default"].weight)
+                    delta = plumbing.master_weight(actor, layer.lora_B["default"].weight) @ \
+                        plumbing.master_weight(actor, layer.lora_A["default"].weight)
                     value = value + layer.scaling["default"] * peft.utils.transpose(delta, layer.fan_in_fan_out)
             else:
-                value = master_weight(actor, params[name])
+                value = plumbing.master_weight(actor, params[name])
             with deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0,
                                                    enabled=ema.zero_optimization_stage() == 3):
                 ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, value.to(ema_param.device), decay))
@@ -1176,14 +1187,14 @@ if __name__ == "__main__":
     generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     actor.module.generation_config = generation_config  # replaces the model's own, so that nothing else is applied
 
-    start_iteration, kl_coef = 0, args.kl_coef
+    start_iteration, kl_coef, last_valid_rollout = 0, args.kl_coef, None
     if args.resume:
-        start_iteration, kl_coef = load_checkpoint(run["checkpoints"], actor, critic, ema, args, device)
+        start_iteration, kl_coef, last_valid_rollout = load_checkpoint(run["checkpoints"], actor, critic, ema, args,
+                                                                       device)
     writer, metrics_file = start_logging(run, start_iteration, args) if is_main else (None, None)
     # Under ZeRO-3, each model's weights are gathered once per rollout (gathered); the hybrid engine gathers its own.
     gather_actor = args.gather_weights_for_rollout and not args.enable_hybrid_engine
     micro_batch = args.per_device_train_batch_size  # rows per forward pass, in the rollout's scoring and the update
-    last_valid_rollout = None
     start_time = time.time()
     for iteration in range(start_iteration, args.num_iterations):
         # Seeds of the iteration's own: a resumed run repeats exactly what an uninterrupted one would have done.
@@ -1301,7 +1312,7 @@ if __name__ == "__main__":
         if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
             save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)
         if args.save_every and (iteration + 1) % args.save_every == 0:
-            save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, run["run_name"], args)
+            save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, last_valid_rollout, run["run_name"], args)
 
     # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
     record = {**saved_by, "iteration": args.num_iterations, "finished": True}

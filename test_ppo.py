@@ -411,6 +411,43 @@ def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monk
     assert "--resume: the run was started with other settings: --seed" in error and "(now 7)" in error
 
 
+def test_resume_reuses_the_checkpointed_last_valid_batch(stages, tmp_path, monkeypatch, capsys):
+    """An iteration whose responses are all invalid trains on the rank's last valid batch again (DeepSpeed-Chat's
+    fallback). Right after --resume that batch comes from the checkpoint: the resumed run repeats what the
+    uninterrupted one did, instead of stopping for want of a batch."""
+    mask_from_stop = rlhf_math.response_mask_from_stop
+
+    def run_where(second_iteration, out, *flags):  # the second iteration's responses: all invalid, or a kill
+        calls = []
+
+        def response_mask(responses, stop_token_id):
+            calls.append(None)
+            if len(calls) == 1 and "--resume" not in flags:
+                return mask_from_stop(responses, stop_token_id)
+            if second_iteration == "kill":
+                raise SystemExit("killed after the checkpoint of iteration 1")
+            return torch.zeros_like(mask_from_stop(responses, stop_token_id))  # no real token: invalid
+
+        monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
+        argv = [*stages, *FEW_ITERATIONS, "--total-episodes", "16", "--save-every", "1", "--output-dir", str(out),
+                "--exp-name", "test_reuse", *flags]
+        return run_in_process("ppo.py", argv, must_stop=second_iteration == "kill")
+
+    run_where("invalid", tmp_path / "straight")
+    assert run_where("kill", tmp_path / "killed") == "killed after the checkpoint of iteration 1"
+    (tmp_path / "killed" / ".lock").unlink()  # the lock of the run that stopped (in this process, which lives on)
+    capsys.readouterr()
+    assert run_where("invalid", tmp_path / "killed", "--resume") is None
+    assert "every response is invalid; reusing the last valid batch" in capsys.readouterr().out
+    straight, resumed = run_metrics(tmp_path / "straight"), run_metrics(tmp_path / "killed")
+    for name in ["loss/policy_avg", "loss/value_avg", "val/ratio", "val/num_invalid"]:
+        assert resumed[1][name] == pytest.approx(straight[1][name], rel=1e-5, abs=1e-6), name
+    for folder in ["actor", "critic"]:
+        for name, weight in saved_weights(tmp_path / "straight" / folder).items():
+            torch.testing.assert_close(saved_weights(tmp_path / "killed" / folder)[name], weight, rtol=0, atol=1e-6)
+    read_metrics("test_reuse")
+
+
 def test_first_ratio_check_catches_dropout(stages, tmp_path):
     # The SFT model with attention dropout 0.3: kept on (--no-disable-dropout), the update's log-probs no longer
     # match the rollout's, and the run stops at the first mini-batch instead of training on a wrong ratio.
@@ -772,6 +809,55 @@ def test_align_overflow_skips_both_steps(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         lines = [line for line in result.stdout.splitlines() if line.startswith("zero ")]
         assert lines == [f"zero {stage}: {skipped}" for stage in range(4)], result.stdout[-2000:]
+
+
+FP16_RESUME_SCRIPT = """
+import json, os, sys, torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoModelForCausalLM
+import plumbing, ppo
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+accelerator = get_accelerator()  # fp16 made to run on this CPU, as in ALIGN_OVERFLOW_SCRIPT
+accelerator.is_fp16_supported = lambda: True
+accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+args = ppo.Args(per_device_train_batch_size=1, num_iterations=1, dtype="fp16")
+args.gradient_accumulation_steps = 1
+ids = torch.tensor([[5, 6, 7, 8]])
+for stage in (0, 2, 3):
+    def engine():
+        config = ppo.deepspeed_config(stage, True, False, args)
+        config["fp16"]["initial_scale_power"] = 8
+        return ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model", config, args, 1e-3)
+    trained = engine()
+    for step in range(3):  # the second step overflows: the scale halves, and the count restarts
+        trained.backward(trained(input_ids=ids, labels=ids).loss * (float("inf") if step == 1 else 1.0))
+        trained.step()
+    folder = os.path.join(sys.argv[2], str(stage))
+    saved = json.loads(json.dumps(plumbing.save_training_state(trained, folder, True)))  # as state.json keeps it
+    resumed = engine()
+    plumbing.load_training_state(resumed, folder, saved, torch.device("cpu"))
+    same_weights = all(torch.equal(plumbing.master_weight(trained, p), plumbing.master_weight(resumed, q))
+                       for p, q in zip(trained.module.parameters(), resumed.module.parameters()))
+    print(json.dumps({"stage": stage, "trained": plumbing.loss_scale(trained), "resumed": plumbing.loss_scale(resumed),
+                      "new": plumbing.loss_scale(engine()), "same_weights": same_weights}))
+"""
+
+
+def test_fp16_resume_keeps_the_loss_scale(tmp_path):
+    """fp16 (made to run on this CPU): a checkpoint keeps DeepSpeed's dynamic loss scale after an overflow (the scale
+    halved at ZeRO-0, the hysteresis spent at ZeRO 2 and 3, the steps since the overflow counted), and --resume
+    restores it, and the fp32 master weights (at ZeRO-0 DeepSpeed's fp32 copies), instead of starting over."""
+    script = tmp_path / "fp16_resume.py"
+    script.write_text(FP16_RESUME_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True,
+                            text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    states = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"stage"')]
+    assert [state["stage"] for state in states] == [0, 2, 3]
+    for state in states:
+        assert state["trained"]["last_overflow_iter"] == 1 and state["trained"]["cur_iter"] == 3, state
+        assert state["resumed"] == state["trained"] != state["new"] and state["same_weights"], state
 
 
 GATHERED_SCRIPT = """
