@@ -540,6 +540,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         ({"num_mini_batches": 0}, "--num-mini-batches must be at least 1, not 0"),
         ({"num_ppo_epochs": 0}, "--num-ppo-epochs must be at least 1, not 0"),
         ({"target_kl": 0.0}, "--target-kl must be positive, not 0.0"),
+        ({"target_kl": 0.1, "kl_coef": 0.0}, "never moves it off --kl-coef 0: give --kl-coef a positive start"),
         ({"kl_coef": -0.1}, "--kl-coef must not be negative, not -0.1"),
         ({"gamma": 2.0}, "--gamma must be between 0 and 1, not 2.0"),
         ({"missing_eos_penalty": 10.0}, "--missing-eos-penalty 10.0 must be in (0, --clip-score 5.0]"),

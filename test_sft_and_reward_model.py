@@ -5,6 +5,7 @@ checked. The bad-input tests check that each mistake stops the script with a one
 """
 
 import glob
+import json
 import math
 import os
 import runpy
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import deepspeed
 import pytest
 import torch
 import transformers
@@ -130,22 +132,43 @@ def test_reward_model_one_rank(sft_checkpoint, tmp_path):
     check_reward_model_folder(str(tmp_path / "rm"))
 
 
-def test_the_stored_normalization_is_that_of_the_sampled_responses(sft_checkpoint, tmp_path, monkeypatch):
-    """reward_mean and reward_std are the mean and standard deviation of the trained reward model's scores of the
-    responses the policy sampled, as ppo.py samples (temperature, length): each response is recorded as generate
-    returned it, cut after its EOS, and scored again here by the saved model, prompt + response alone, unpadded."""
-    sampled, generate = [], transformers.GenerationMixin.generate
+def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_path, monkeypatch):
+    """reward_model.py recorded and recomputed. Each optimizer step's gradient is that of the pairwise loss
+    -log sigmoid(r(chosen) - r(rejected)) of its batch (chosen rows first), the scores read by the model's own pooling
+    at the weights before the step. reward_mean and reward_std are the mean and standard deviation of the trained
+    model's scores of the responses the policy sampled, as ppo.py samples (temperature, length): each response is
+    recorded as generate returned it, cut after its EOS, and scored again here, prompt + response alone, unpadded."""
+    sampled, steps = [], []
+    generate, engine_step = transformers.GenerationMixin.generate, deepspeed.runtime.engine.DeepSpeedEngine.step
 
     def recording_generate(model, **kwargs):
         sequences = generate(model, **kwargs)
         sampled.append((kwargs["input_ids"], kwargs["attention_mask"], sequences, model.generation_config))
         return sequences
 
+    def recording_step(engine):
+        loop = sys._getframe(1).f_globals  # reward_model.py's __main__: its training loop's variables
+        if len(steps) < 3 and "train_loader" in loop and engine.is_gradient_accumulation_boundary():
+            steps.append((loop["batch"], {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                          {n: p.grad.clone() for n, p in engine.module.named_parameters()}))
+        return engine_step(engine)
+
     monkeypatch.setattr(transformers.GenerationMixin, "generate", recording_generate)
+    monkeypatch.setattr(deepspeed.runtime.engine.DeepSpeedEngine, "step", recording_step)
     out = tmp_path / "rm"
     assert run_in_process("reward_model.py", [*FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir",
                                               str(out), "--normalization-samples", "24", "--temperature", "0.8",
                                               "--max-new-tokens", "10"], must_stop=False) is None
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert len(steps) == 3
+    for batch, weights, grads in steps:
+        model.load_state_dict(weights)
+        model.zero_grad()
+        chosen, rejected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].chunk(2)
+        (-torch.nn.functional.logsigmoid(chosen - rejected).mean()).backward()
+        expected = torch.cat([p.grad.flatten() for p in model.parameters()])
+        error = (torch.cat([grads[n].flatten() for n, _ in model.named_parameters()]) - expected).norm()
+        assert error < 1e-4 * expected.norm(), error / expected.norm()
     model, eos = AutoModelForSequenceClassification.from_pretrained(out).eval(), check_tokenizer(out).eos_token_id
     scores = []
     for prompt_ids, prompt_mask, sequences, config in sampled:
@@ -253,6 +276,11 @@ def test_sft_bad_input(bad, tmp_path, capsys):
 
 def test_reward_model_bad_input(bad, tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    one_prompt = tmp_path / "one_prompt"
+    one_prompt.mkdir()
+    for split in ("train", "test"):
+        (one_prompt / f"{split}.jsonl").write_text(16 * (json.dumps(
+            {"prompt": "I watched this film and", "chosen": " it was great.", "rejected": " it was bad."}) + "\n"))
     columns = ["prompt", "chosen", "rejected"]
     check_stops([
         (lambda: reward_model.tokenize_pairs(plumbing.load_split(str(bad / "empty_rejected.jsonl"), "train", columns),
@@ -272,6 +300,9 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
         (["--model-name-or-path", str(bad / "added_tokens")], "embeds only 993: tokens were added to it without"),
+        # One prompt, answered alike every time: every score the same, no scale to normalize by.
+        (["--dataset", str(one_prompt), "--temperature", "1e-6", "--normalization-samples", "4"],
+         "standard deviation 0.0: the reward model must score them finite and not all alike"),
     ], tmp_path)
     with pytest.raises(SystemExit):
         tyro.cli(reward_model.Args, args=["--zero-stage", "4"])
