@@ -703,7 +703,8 @@ LOSS_SCALE_FIELDS = ["cur_scale", "cur_iter", "last_overflow_iter", "cur_hystere
 
 def loss_scaler(engine):
     """What holds fp16's dynamic loss scale in the engine's optimizer (ZeRO 1-3: its loss_scaler; ZeRO-0: its
-    loss_scale_config), or None without fp16 (DeepSpeed 0.19.8, no public API; test_fp16_resume_keeps_the_loss_scale)."""
+    loss_scale_config), or None without fp16 (DeepSpeed 0.19.8, no public API; test_fp16_resume_keeps_the_loss_scale).
+    """
     optimizer = engine.optimizer
     return (getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)) \
         if engine.fp16_enabled() else None
@@ -711,7 +712,8 @@ def loss_scaler(engine):
 def loss_scale(engine) -> dict | None:
     """The dynamic loss scale's state (the scale, the steps since the last overflow, the hysteresis), for --resume."""
     scaler = loss_scaler(engine)
-    return None if scaler is None else {name: getattr(scaler, name) for name in LOSS_SCALE_FIELDS if hasattr(scaler, name)}
+    return None if scaler is None else {name: getattr(scaler, name) for name in LOSS_SCALE_FIELDS
+                                        if hasattr(scaler, name)}
 
 def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
     """Restore what save_training_state wrote into an engine built as at the start: weights (the model's, in its dtype,

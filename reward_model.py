@@ -283,8 +283,9 @@ if __name__ == "__main__":
     # reward model's, each prompt is decoded to text and tokenized for it, and each response back for the reward model.
     policy_tokenizer = None
     if args.policy_model_name_or_path is not None:
-        policy_tokenizer = plumbing.load_other_tokenizer(args.policy_model_name_or_path, "check "
-                                                         "--policy-model-name-or-path", tokenizer, args.trust_remote_code)
+        policy_tokenizer = plumbing.load_other_tokenizer(args.policy_model_name_or_path,
+                                                         "check --policy-model-name-or-path", tokenizer,
+                                                         args.trust_remote_code)
         plumbing.check_vocabulary(policy_tokenizer or tokenizer, args.policy_model_name_or_path,
                                   "check --policy-model-name-or-path", args.trust_remote_code,
                                   0 if policy_tokenizer else added_pad_token)

@@ -429,8 +429,9 @@ def test_resume_reuses_the_checkpointed_last_valid_batch(stages, tmp_path, monke
             return torch.zeros_like(mask_from_stop(responses, stop_token_id))  # no real token: invalid
 
         monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
-        argv = [*stages, *FEW_ITERATIONS, "--total-episodes", "16", "--save-every", "1", "--output-dir", str(out),
-                "--exp-name", "test_reuse", *flags]
+        argv = [*stages, *FEW_ITERATIONS, "--total-episodes", "8", "--per-device-rollout-batch-size", "4",
+                "--num-ppo-epochs", "1", "--max-new-tokens", "6", "--save-every", "1", "--sample-every", "0",
+                "--output-dir", str(out), "--exp-name", "test_reuse", *flags]
         return run_in_process("ppo.py", argv, must_stop=second_iteration == "kill")
 
     run_where("invalid", tmp_path / "straight")

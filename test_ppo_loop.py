@@ -1,14 +1,14 @@
 """ppo.py's loop, every call site checked against an independent recomputation.
 
-A run of two iterations is recorded: at every optimizer step of actor and critic, the weights before the step, the
-gradient it applies, its learning rate and its mini-batch's rows, and once per iteration the rollout's tensors. The
-recorder reads them from the loop's own variables (the loop is inline in ppo.py's __main__) and saves them, one file
-per rank, when the run ends. The tests recompute each of them from the models' weights and the run's flags, calling
+A run of one or two iterations is recorded: at every optimizer step of actor and critic, the weights before the step,
+the gradient it applies, its learning rate and its mini-batch's rows, and once per iteration the rollout's tensors. The
+recorder reads them from the loop's own variables (the loop is inline in ppo.py's __main__) and saves them, one file per
+rank, when the run ends. The tests recompute each of them from the models' weights and the run's flags, calling
 rlhf_math (checked by hand in test_rlhf_math.py) and ppo.py's forward passes (checked row by row in test_ppo.py) with
-every argument named: the log-probs of actor and reference, the values, the scores, the rewards and KL, the
-advantages and returns, each step's gradient from the definition of the loss (every in-mask token of a mini-batch,
-all ranks together, weighs the same, or every micro-batch does), each AdamW step, and every logged metric. A slip at a
-call site (swapped arguments, a lost factor, an ignored flag, a flipped sign) changes one of them.
+every argument named: the log-probs of actor and reference, the values, the scores, the rewards and KL, the advantages
+and returns, each step's gradient from the definition of the loss (every in-mask token of a mini-batch, all ranks
+together, weighs the same, or every micro-batch does), each AdamW step, and every logged metric. A slip at a call site
+(swapped arguments, a lost factor, an ignored flag, a flipped sign) changes one of them.
 """
 
 import runpy
@@ -197,7 +197,8 @@ def check_rollouts(records, metrics, models, args):
                                              for r in rollouts]).sum() / valid.sum(),
             "val/num_invalid": (~valid).sum(), "val/response_length": responses.sum() / len(responses),
             "val/num_eos_tokens": torch.cat([r["contains_eos"] for r in rollouts]).sum(),
-            "episode": (iteration + 1) * args["batch_size"], "lr": next(s for s in steps if s["model"] == "actor")["lrs"][0]}
+            "episode": (iteration + 1) * args["batch_size"],
+            "lr": next(s for s in steps if s["model"] == "actor")["lrs"][0]}
         for name, value in expected.items():
             assert m[name] == pytest.approx(float(value), rel=1e-5, abs=1e-6), (iteration, name)
     # Each rank answers its own share of the iteration's prompts, drawn in an order shuffled once per pass.
@@ -300,7 +301,8 @@ def check_optimizer(records, out, models, args):
         steps = [step for step in records[0]["steps"] if step["model"] == name]
         assert len(steps) == num_steps
         saved = type(model).from_pretrained(out / name)
-        params = {n: p.detach().clone().requires_grad_() for n, p in type(model).from_pretrained(start).named_parameters()}
+        params = {n: p.detach().clone().requires_grad_()
+                  for n, p in type(model).from_pretrained(start).named_parameters()}
         adamw = torch.optim.AdamW(params.values(), lr=learning_rate, weight_decay=args["weight_decay"])
         for k, step in enumerate([*steps, {"weights": dict(saved.named_parameters())}]):
             for n, p in params.items():
@@ -379,9 +381,10 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
 
 @pytest.mark.parametrize("aggregation, across_ranks", [("token-mean", True), ("micro-batch-mean", False)])
 def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks):
-    """Two ranks: the losses, the whitening and the metrics over both ranks' batches (or, for the whitening with
-    --no-whiten-across-ranks, each rank's own); constant learning rates, no gradient clipping."""
-    flags = [*LAYOUT, *OFF_DEFAULTS, "--per-device-rollout-batch-size", "4", "--num-mini-batches", "2",
+    """Two ranks, one iteration: the losses, the whitening and the metrics over both ranks' batches (or, for the
+    whitening with --no-whiten-across-ranks, each rank's own); constant learning rates, no gradient clipping."""
+    flags = [*LAYOUT, *OFF_DEFAULTS, "--total-episodes", "8", "--per-device-rollout-batch-size", "4",
+             "--num-mini-batches", "2",
              "--per-device-train-batch-size", "1", "--critic-model-name-or-path", critic_start,
              "--loss-aggregation", aggregation,
              "--whiten-across-ranks" if across_ranks else "--no-whiten-across-ranks", "--gradient-clipping", "0",

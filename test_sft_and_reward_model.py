@@ -164,7 +164,8 @@ def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_pat
     for batch, weights, grads in steps:
         model.load_state_dict(weights)
         model.zero_grad()
-        chosen, rejected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].chunk(2)
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        chosen, rejected = scores.chunk(2)
         (-torch.nn.functional.logsigmoid(chosen - rejected).mean()).backward()
         expected = torch.cat([p.grad.flatten() for p in model.parameters()])
         error = (torch.cat([grads[n].flatten() for n, _ in model.named_parameters()]) - expected).norm()
