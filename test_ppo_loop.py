@@ -367,12 +367,15 @@ def check_run(records, metrics, out, stages, critic_path, args):
     check_optimizer(records, out, models, args)
 
 
-def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys):
-    """One rank, the flags off their defaults, k3, reward whitening, the EOS trick and the pretraining mix. The
-    reward model's normalization was measured at another temperature and length: ppo.py says so."""
+@pytest.mark.parametrize("aggregation, micro_batch", [("token-mean", "2"), ("micro-batch-mean", "1")])
+def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, aggregation, micro_batch):
+    """One rank, two iterations, the flags off their defaults, k3, reward whitening, the EOS trick and the
+    pretraining mix; each mini-batch in 2 micro-batches, or in 4. The reward model's normalization was measured at
+    another temperature and length: ppo.py says so."""
     text = pretraining_text_file(tmp_path / "pretrain.txt", LAYOUT)
     flags = [*LAYOUT, *OFF_DEFAULTS, "--critic-model-name-or-path", critic_start, "--kl-estimator", "k3",
-             "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5"]
+             "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5",
+             "--loss-aggregation", aggregation, "--per-device-train-batch-size", micro_batch]
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
     assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens 10 (measured " \
         "with 24)." in capsys.readouterr().out
