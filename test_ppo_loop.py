@@ -356,7 +356,7 @@ LAYOUT = ["--total-episodes", "16", "--per-device-rollout-batch-size", "8", "--n
 OFF_DEFAULTS = ["--temperature", "0.7", "--gamma", "0.9", "--lam", "0.8", "--cliprange", "0.1",
                 "--cliprange-value", "0.3", "--kl-coef", "0.3", "--target-kl", "0.02", "--kl-horizon", "100",
                 "--clip-score", "1.5", "--gradient-clipping", "0.5", "--actor-learning-rate", "2e-3",
-                "--critic-learning-rate", "3e-3", "--weight-decay", "0.1", "--min-response-tokens", "2"]
+                "--critic-learning-rate", "3e-3", "--weight-decay", "0.1", "--min-response-tokens", "10"]
 
 
 def check_run(records, metrics, out, stages, critic_path, args):
@@ -379,6 +379,10 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
     assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens 10 (measured " \
         "with 24)." in capsys.readouterr().out
+    # Responses cut at the limit have exactly --min-response-tokens real tokens (valid), those that stopped fewer.
+    real_tokens = torch.cat([r["response_mask"].sum(dim=1) - r["contains_eos"].long()
+                             for r in records[0]["rollouts"].values()])
+    assert (real_tokens == 10).any() and (real_tokens < 10).any(), real_tokens
     check_run(records, metrics, tmp_path / "recorded_one_rank", stages, critic_start, args)
 
 
