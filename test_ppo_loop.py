@@ -386,11 +386,13 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     check_run(records, metrics, tmp_path / "recorded_one_rank", stages, critic_start, args)
 
 
-@pytest.mark.parametrize("aggregation, across_ranks", [("token-mean", True), ("micro-batch-mean", False)])
-def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks):
-    """Two ranks, one iteration: the losses, the whitening and the metrics over both ranks' batches (or, for the
-    whitening with --no-whiten-across-ranks, each rank's own); constant learning rates, no gradient clipping."""
-    flags = [*LAYOUT, *OFF_DEFAULTS, "--total-episodes", "8", "--per-device-rollout-batch-size", "4",
+@pytest.mark.parametrize("aggregation, across_ranks, iterations", [("token-mean", True, 2),
+                                                                    ("micro-batch-mean", False, 1)])
+def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks, iterations):
+    """Two ranks: the losses, the whitening, the adaptive KL coefficient and the metrics over both ranks' batches (or,
+    for the whitening with --no-whiten-across-ranks, each rank's own); constant learning rates, no gradient
+    clipping."""
+    flags = [*LAYOUT, *OFF_DEFAULTS, "--total-episodes", str(8 * iterations), "--per-device-rollout-batch-size", "4",
              "--num-mini-batches", "2",
              "--per-device-train-batch-size", "1", "--critic-model-name-or-path", critic_start,
              "--loss-aggregation", aggregation,
