@@ -42,13 +42,17 @@ def install_recorder(set_attribute, path):
         loop = sys._getframe(1).f_globals  # ppo.py's __main__, when the loop calls actor.step() or critic.step()
         if loop.get("__name__") == "__main__" and "mini_batches" in loop and engine.is_gradient_accumulation_boundary():
             iteration = loop["iteration"]
-            assert loop["batch"] is loop["rollout"], "these runs never reuse a batch"
             if iteration not in rollouts:
                 rollouts[iteration] = {**{name: loop["rollout"][name].clone() for name in ROLLOUT},
                                        **{name: loop[name] for name in PER_ITERATION},
                                        "sampling": loop["actor"].module.generation_config.to_dict()}
+            # The batch the update trains on: this iteration's rollout or, when none of its responses is valid, the
+            # last valid one (DeepSpeed-Chat's fallback).
+            batch = iteration if loop["batch"] is loop["rollout"] else \
+                max(i for i, r in rollouts.items() if r["valid"].any())
             module = engine.module
             steps.append({"model": "actor" if engine is loop["actor"] else "critic", "iteration": iteration,
+                          "batch": batch,
                           "rows": loop["mini_batches"][loop["mini_batch_index"]].clone(),
                           "lrs": [group["lr"] for group in engine.optimizer.param_groups],
                           "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
@@ -121,11 +125,15 @@ def check_rollouts(records, metrics, models, args):
         steps = [s for s in records[0]["steps"] if s["iteration"] == iteration]
         actor_weights = next(s for s in steps if s["model"] == "actor")["weights"]
         critic_weights = next(s for s in steps if s["model"] == "critic")["weights"]
-        if iteration > 0 and args["target_kl"] is not None:  # Ziegler's controller, from the last iteration's KL
+        rollouts = [record["rollouts"][iteration] for record in records]
+        if iteration > 0 and args["target_kl"] is not None and metrics[iteration - 1]["val/num_invalid"] < \
+                args["batch_size"]:  # Ziegler's controller, from the last iteration's KL (unchanged without any)
             kl_coef = rlhf_math.adaptive_kl_coef(kl_coef=kl_coef, observed_kl=metrics[iteration - 1]["objective/kl"],
                                                  target_kl=args["target_kl"], horizon=args["kl_horizon"],
                                                  n_steps=args["batch_size"])
-        rollouts = [record["rollouts"][iteration] for record in records]
+        if not any(r["valid"].any() for r in rollouts):  # made all invalid (test_one_rank_every_call_site)
+            assert m["val/num_invalid"] == args["batch_size"] and m["objective/kl_coef"] == pytest.approx(kl_coef)
+            continue
         rewards, kl, scores, valid, masks = [], [], [], [], []
         for r in rollouts:
             S, A, P, T = r["sequences"], r["attention_mask"], r["P"], args["temperature"]
@@ -233,7 +241,7 @@ def check_updates(records, metrics, models, args):
     for k, step in enumerate(records[0]["steps"]):
         i, actor = step["iteration"], step["model"] == "actor"
         model = with_weights(policy if actor else critic, step["weights"])
-        parts = [(record["rollouts"][i], record["steps"][k]["rows"]) for record in records]
+        parts = [(record["rollouts"][record["steps"][k]["batch"]], record["steps"][k]["rows"]) for record in records]
         num_tokens = sum(r["mask"][rows].sum() for r, rows in parts)
         num_micro_batches = sum(len(rows.split(micro)) for _, rows in parts)
         sums.setdefault(i, {"ratios": [], **{name: 0.0 for name in ["tokens", "pg_loss", "vf_loss", "entropy",
@@ -367,11 +375,22 @@ def check_run(records, metrics, out, stages, critic_path, args):
     check_optimizer(records, out, models, args)
 
 
-@pytest.mark.parametrize("aggregation, micro_batch", [("token-mean", "2"), ("micro-batch-mean", "1")])
-def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, aggregation, micro_batch):
+@pytest.mark.parametrize("aggregation, micro_batch, reuse", [("token-mean", "2", False),
+                                                             ("micro-batch-mean", "1", True)])
+def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, aggregation, micro_batch,
+                                  reuse):
     """One rank, two iterations, the flags off their defaults, k3, reward whitening, the EOS trick and the
-    pretraining mix; each mini-batch in 2 micro-batches, or in 4. The reward model's normalization was measured at
-    another temperature and length: ppo.py says so."""
+    pretraining mix; each mini-batch in 2 micro-batches, or in 4 with the second iteration's responses all made
+    invalid, so that its update trains on the first iteration's batch again (with that batch's prompt length). The
+    reward model's normalization was measured at another temperature and length: ppo.py says so."""
+    if reuse:
+        mask_from_stop, calls = rlhf_math.response_mask_from_stop, []
+
+        def response_mask(responses, stop_token_id):  # the loop's second call: no real token in any response
+            calls.append(None)
+            return mask_from_stop(responses, stop_token_id) * (len(calls) != 2)
+
+        monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
     text = pretraining_text_file(tmp_path / "pretrain.txt", LAYOUT)
     flags = [*LAYOUT, *OFF_DEFAULTS, "--critic-model-name-or-path", critic_start, "--kl-estimator", "k3",
              "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5",
@@ -383,6 +402,9 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     real_tokens = torch.cat([r["response_mask"].sum(dim=1) - r["contains_eos"].long()
                              for r in records[0]["rollouts"].values()])
     assert (real_tokens == 10).any() and (real_tokens < 10).any(), real_tokens
+    if reuse:  # prompt lengths that differ, so that the update reading one for the other shows
+        assert [step["batch"] for step in records[0]["steps"]] == [0] * 16
+        assert records[0]["rollouts"][0]["P"] != records[0]["rollouts"][1]["P"]
     check_run(records, metrics, tmp_path / "recorded_one_rank", stages, critic_start, args)
 
 
