@@ -158,7 +158,7 @@ def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_pat
     out = tmp_path / "rm"
     assert run_in_process("reward_model.py", [*FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir",
                                               str(out), "--normalization-samples", "24", "--temperature", "0.8",
-                                              "--max-new-tokens", "10"], must_stop=False) is None
+                                              "--max-new-tokens", "20"], must_stop=False) is None
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert len(steps) == 3
     for batch, weights, grads in steps:
@@ -171,19 +171,20 @@ def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_pat
         error = (torch.cat([grads[n].flatten() for n, _ in model.named_parameters()]) - expected).norm()
         assert error < 1e-4 * expected.norm(), error / expected.norm()
     model, eos = AutoModelForSequenceClassification.from_pretrained(out).eval(), check_tokenizer(out).eos_token_id
-    scores = []
+    scores, stopped = [], 0
     for prompt_ids, prompt_mask, sequences, config in sampled:
-        assert (config.temperature, config.max_new_tokens, config.top_k, config.top_p) == (0.8, 10, 0, 1.0)
+        assert (config.temperature, config.max_new_tokens, config.top_k, config.top_p) == (0.8, 20, 0, 1.0)
         for prompt, mask, sequence in zip(prompt_ids, prompt_mask, sequences):
             response = sequence[prompt_ids.shape[1] :].tolist()
+            stopped += eos in response[:-1]  # then padding follows, which must not be scored
             response = response[: response.index(eos) + 1] if eos in response else response
             with torch.no_grad():
                 scores.append(model(torch.tensor([prompt[mask.bool()].tolist() + response])).logits[0, 0].double())
     scores = torch.stack(scores)
-    assert len(scores) == 24
+    assert len(scores) == 24 and stopped > 0
     assert model.config.reward_mean == pytest.approx(scores.mean().item(), abs=1e-5)
     assert model.config.reward_std == pytest.approx(scores.std().item(), abs=1e-5)  # unbiased
-    assert model.config.reward_normalization == {"policy": sft_checkpoint, "temperature": 0.8, "max_new_tokens": 10,
+    assert model.config.reward_normalization == {"policy": sft_checkpoint, "temperature": 0.8, "max_new_tokens": 20,
                                                  "policy_identity": plumbing.folder_identity(sft_checkpoint)}
 
 
