@@ -299,7 +299,8 @@ def check_updates(records, metrics, models, args):
 def check_optimizer(records, out, models, args):
     """AdamW, replayed from the models the run starts from with each step's (checked) gradient, clipped to
     --gradient-clipping, at the scheduled learning rate, gives the weights the run had before its next step, and
-    at the end the actor and critic it saved."""
+    at the end the actor and critic it saved; with --enable-ema, the saved EMA is the decayed average of the actor's
+    weights after every step."""
     policy, _, critic, _, _ = models
     num_steps = args["num_iterations"] * args["num_ppo_epochs"] * args["num_mini_batches"]
     for name, model, start, learning_rate in [
@@ -312,6 +313,7 @@ def check_optimizer(records, out, models, args):
         params = {n: p.detach().clone().requires_grad_()
                   for n, p in type(model).from_pretrained(start).named_parameters()}
         adamw = torch.optim.AdamW(params.values(), lr=learning_rate, weight_decay=args["weight_decay"])
+        ema = {n: p.detach().clone() for n, p in params.items()}  # ema = decay ema + (1 - decay) actor, per step
         for k, step in enumerate([*steps, {"weights": dict(saved.named_parameters())}]):
             for n, p in params.items():
                 close(p.detach(), step["weights"][n], f"{name} before step {k}: {n}", 1e-6)
@@ -325,6 +327,11 @@ def check_optimizer(records, out, models, args):
             assert step["lrs"] == [pytest.approx(lr)], (name, k)
             adamw.param_groups[0]["lr"] = lr
             adamw.step()
+            for n, p in params.items():
+                ema[n] = args["ema_decay"] * ema[n] + (1 - args["ema_decay"]) * p.detach()
+        if name == "actor" and args["enable_ema"]:
+            for n, p in type(model).from_pretrained(out / "actor_ema").named_parameters():
+                close(p.detach(), ema[n], f"the EMA's {n}", 1e-6)
 
 
 def reference_models(stages, critic_path):
@@ -379,8 +386,8 @@ def check_run(records, metrics, out, stages, critic_path, args):
                                                              ("micro-batch-mean", "1", True)])
 def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, aggregation, micro_batch,
                                   reuse):
-    """One rank, two iterations, the flags off their defaults, k3, reward whitening, the EOS trick and the
-    pretraining mix; each mini-batch in 2 micro-batches, or in 4 with the second iteration's responses all made
+    """One rank, two iterations, the flags off their defaults, k3, reward whitening, the EOS trick, the pretraining
+    mix and the EMA; each mini-batch in 2 micro-batches, or in 4 with the second iteration's responses all made
     invalid, so that its update trains on the first iteration's batch again (with that batch's prompt length). The
     reward model's normalization was measured at another temperature and length: ppo.py says so."""
     if reuse:
@@ -394,7 +401,8 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     text = pretraining_text_file(tmp_path / "pretrain.txt", LAYOUT)
     flags = [*LAYOUT, *OFF_DEFAULTS, "--critic-model-name-or-path", critic_start, "--kl-estimator", "k3",
              "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5",
-             "--loss-aggregation", aggregation, "--per-device-train-batch-size", micro_batch]
+             "--loss-aggregation", aggregation, "--per-device-train-batch-size", micro_batch, "--enable-ema",
+             "--ema-decay", "0.8"]
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
     assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens 10 (measured " \
         "with 24)." in capsys.readouterr().out
