@@ -386,10 +386,11 @@ def check_run(records, metrics, out, stages, critic_path, args):
                                                              ("micro-batch-mean", "1", True)])
 def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, aggregation, micro_batch,
                                   reuse):
-    """One rank, two iterations, the flags off their defaults, k3, reward whitening, the EOS trick, the pretraining
-    mix and the EMA; each mini-batch in 2 micro-batches, or in 4 with the second iteration's responses all made
-    invalid, so that its update trains on the first iteration's batch again (with that batch's prompt length). The
-    reward model's normalization was measured at another temperature and length: ppo.py says so."""
+    """One rank, three iterations (two adaptations of beta), the flags off their defaults, k3, reward whitening, the
+    EOS trick, the pretraining mix and the EMA; each mini-batch in 2 micro-batches, or in 4 over two iterations, the
+    second's responses all made invalid, so that its update trains on the first iteration's batch again (with that
+    batch's prompt length). The reward model's normalization was measured at another temperature and length: ppo.py
+    says so."""
     if reuse:
         mask_from_stop, calls = rlhf_math.response_mask_from_stop, []
 
@@ -402,7 +403,7 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     flags = [*LAYOUT, *OFF_DEFAULTS, "--critic-model-name-or-path", critic_start, "--kl-estimator", "k3",
              "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5",
              "--loss-aggregation", aggregation, "--per-device-train-batch-size", micro_batch, "--enable-ema",
-             "--ema-decay", "0.8"]
+             "--ema-decay", "0.8", "--total-episodes", "16" if reuse else "24"]
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
     assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens 10 (measured " \
         "with 24)." in capsys.readouterr().out
