@@ -355,10 +355,8 @@ def critic_start(stages, tmp_path_factory):
     return str(folder)
 
 
-def pretraining_text_file(path, args_flags):
-    """Plain text whose every block is the same (a document of one block's length, repeated)."""
-    length = int(args_flags[args_flags.index("--max-prompt-len") + 1]) + \
-        int(args_flags[args_flags.index("--max-new-tokens") + 1])
+def pretraining_text_file(path, length):
+    """Plain text whose every block of LENGTH tokens is the same (a document of one block's length, repeated)."""
     path.write_text((" good" * (length - 1) + "\n") * 40)
     return str(path)
 
@@ -382,16 +380,24 @@ def check_run(records, metrics, out, stages, critic_path, args):
     check_optimizer(records, out, models, args)
 
 
-@pytest.mark.parametrize("aggregation, micro_batch, reuse", [("token-mean", "2", False),
-                                                             ("micro-batch-mean", "1", True)])
-def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, aggregation, micro_batch,
-                                  reuse):
-    """One rank, three iterations (two adaptations of beta), the flags off their defaults, k3, reward whitening, the
-    EOS trick, the pretraining mix and the EMA; each mini-batch in 2 micro-batches, or in 4 over two iterations, the
-    second's responses all made invalid, so that its update trains on the first iteration's batch again (with that
-    batch's prompt length). The reward model's normalization was measured at another temperature and length: ppo.py
+# The one-rank runs. "adaptive": three iterations in token-mean, responses long enough to stop anywhere, and a target KL
+# near the second iteration's (0.24), so that the controller's second step is not clipped. "reuse": micro-batch-mean
+# in 4 micro-batches, the second iteration's responses all made invalid, and --min-response-tokens at the length limit
+# (OFF_DEFAULTS), so that responses cut there are valid with exactly the minimum and those that stopped are not.
+ONE_RANK = {"adaptive": ["--loss-aggregation", "token-mean", "--per-device-train-batch-size", "2", "--total-episodes",
+                         "24", "--max-new-tokens", "16", "--min-response-tokens", "12", "--actor-learning-rate",
+                         "5e-4", "--target-kl", "0.25"],
+            "reuse": ["--loss-aggregation", "micro-batch-mean", "--per-device-train-batch-size", "1",
+                      "--total-episodes", "16"]}
+
+
+@pytest.mark.parametrize("variant", list(ONE_RANK))
+def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, capsys, variant):
+    """One rank, the flags off their defaults, k3, reward whitening, the EOS trick, the pretraining mix and the EMA
+    (ONE_RANK's two variants); in "reuse" the second iteration trains on the first iteration's batch again, with that
+    batch's prompt length. The reward model's normalization was measured at another temperature and length: ppo.py
     says so."""
-    if reuse:
+    if variant == "reuse":
         mask_from_stop, calls = rlhf_math.response_mask_from_stop, []
 
         def response_mask(responses, stop_token_id):  # the loop's second call: no real token in any response
@@ -399,38 +405,43 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
             return mask_from_stop(responses, stop_token_id) * (len(calls) != 2)
 
         monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
-    text = pretraining_text_file(tmp_path / "pretrain.txt", LAYOUT)
-    flags = [*LAYOUT, *OFF_DEFAULTS, "--critic-model-name-or-path", critic_start, "--kl-estimator", "k3",
-             "--whiten-rewards", "--missing-eos-penalty", "1.0", "--unsup-dataset", text, "--unsup-coef", "0.5",
-             "--loss-aggregation", aggregation, "--per-device-train-batch-size", micro_batch, "--enable-ema",
-             "--ema-decay", "0.8", "--total-episodes", "16" if reuse else "24"]
+    flags = [*LAYOUT, *OFF_DEFAULTS, *ONE_RANK[variant]]
+    length = 32 + int(flags[len(flags) - flags[::-1].index("--max-new-tokens")])  # prompt + the last one given
+    flags += ["--critic-model-name-or-path", critic_start, "--kl-estimator", "k3", "--whiten-rewards",
+              "--missing-eos-penalty", "1.0", "--unsup-dataset", pretraining_text_file(tmp_path / "text.txt", length),
+              "--unsup-coef", "0.5", "--enable-ema", "--ema-decay", "0.8"]
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
-    assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens 10 (measured " \
-        "with 24)." in capsys.readouterr().out
-    # Responses cut at the limit have exactly --min-response-tokens real tokens (valid), those that stopped fewer.
+    assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens " \
+        f"{args['max_new_tokens']} (measured with 24)." in capsys.readouterr().out
     real_tokens = torch.cat([r["response_mask"].sum(dim=1) - r["contains_eos"].long()
                              for r in records[0]["rollouts"].values()])
-    assert (real_tokens == 10).any() and (real_tokens < 10).any(), real_tokens
-    if reuse:  # prompt lengths that differ, so that the update reading one for the other shows
+    assert (real_tokens < args["min_response_tokens"]).any(), real_tokens  # invalid responses
+    if variant == "adaptive":  # the second adaptation of beta is within the controller's clip
+        assert 0.8 < metrics[1]["objective/kl"] / args["target_kl"] < 1.2, metrics[1]["objective/kl"]
+    else:  # valid responses with exactly the minimum; prompt lengths that differ between the batches
+        assert (real_tokens == args["min_response_tokens"]).any(), real_tokens
         assert [step["batch"] for step in records[0]["steps"]] == [0] * 16
         assert records[0]["rollouts"][0]["P"] != records[0]["rollouts"][1]["P"]
     check_run(records, metrics, tmp_path / "recorded_one_rank", stages, critic_start, args)
 
 
-@pytest.mark.parametrize("aggregation, across_ranks, iterations", [("token-mean", True, 2),
-                                                                    ("micro-batch-mean", False, 1)])
-def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks, iterations):
-    """Two ranks: the losses, the whitening, the adaptive KL coefficient and the metrics over both ranks' batches (or,
-    for the whitening with --no-whiten-across-ranks, each rank's own); constant learning rates, no gradient
-    clipping."""
-    flags = [*LAYOUT, *OFF_DEFAULTS, "--total-episodes", str(8 * iterations), "--per-device-rollout-batch-size", "4",
-             "--num-mini-batches", "2",
+@pytest.mark.parametrize("aggregation, across_ranks, flags", [
+    ("token-mean", True, ["--total-episodes", "24", "--max-new-tokens", "16", "--min-response-tokens", "12",
+                          "--actor-learning-rate", "5e-4", "--target-kl", "0.75"]),  # KL 0.78 at the second
+    ("micro-batch-mean", False, ["--total-episodes", "8"])])
+def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks, flags):
+    """Two ranks: the losses, the whitening, the adaptive KL coefficient (three iterations) and the metrics over both
+    ranks' batches (or, for the whitening with --no-whiten-across-ranks, each rank's own); constant learning rates, no
+    gradient clipping."""
+    flags = [*LAYOUT, *OFF_DEFAULTS, "--per-device-rollout-batch-size", "4", "--num-mini-batches", "2",
              "--per-device-train-batch-size", "1", "--critic-model-name-or-path", critic_start,
              "--loss-aggregation", aggregation,
              "--whiten-across-ranks" if across_ranks else "--no-whiten-across-ranks", "--gradient-clipping", "0",
-             "--lr-scheduler-type", "constant"]
+             "--lr-scheduler-type", "constant", *flags]
     out = tmp_path / f"recorded_two_ranks_{aggregation}"
     records, metrics, args = recorded_run(stages, out, flags, monkeypatch, ranks=2)
+    if aggregation == "token-mean":
+        assert 0.8 < metrics[1]["objective/kl"] / args["target_kl"] < 1.2, metrics[1]["objective/kl"]
     check_run(records, metrics, out, stages, critic_start, args)
 
 
