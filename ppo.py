@@ -322,15 +322,15 @@ def score_normalization(config) -> tuple[float, float]:
                       "delete both for none")
     return mean, std
 
-def check_normalization(config, args: Args) -> None:
+def check_normalization(config, actor_identity: str, args: Args) -> None:
     """reward_model.py measured reward_mean and reward_std on one policy's responses, sampled at one temperature and
     length (its config's reward_normalization). With another actor or sampling the scores do not start at mean 0 and
-    std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so."""
+    std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so. actor_identity: the actor folder's
+    plumbing.folder_identity, as start_run read it."""
     measured = getattr(config, "reward_normalization", None)
     if measured is None or dist.get_rank() != 0:
         return
-    this = {"policy_identity": plumbing.folder_identity(args.actor_model_name_or_path),
-            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    this = {"policy_identity": actor_identity, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured['policy']!r})"
               if key == "policy_identity" else f"--{key.replace('_', '-')} {value!r} (measured with {measured[key]!r})"
               for key, value in this.items() if measured.get(key) != value]
@@ -1180,7 +1180,7 @@ if __name__ == "__main__":
     # starts. The critic starts as a copy of the reward model: its outputs are mapped the same way, by its own config.
     reward_mean, reward_std = score_normalization(reward.module.config)
     critic_mean, critic_std = score_normalization(critic.module.config)
-    check_normalization(reward.module.config, args)
+    check_normalization(reward.module.config, run["inputs"]["--actor-model-name-or-path"], args)
     if is_main and not hasattr(reward.module.config, "reward_std"):
         print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
               "are used unnormalized")
