@@ -154,6 +154,17 @@ def rank_env(ranks: int) -> dict:
     return env
 
 
+def settings(args: Args) -> str:
+    """The shape and precision, and the process state that decides a CPU's speed (threads per rank): a drift in the
+    figures is read here first."""
+    threads = {ranks: rank_env(ranks).get("OMP_NUM_THREADS", "unset") for ranks in (1, 2)}
+    return (f"shape: {args.episodes} episodes of {args.prompt_len} + {args.response_len} tokens, {args.num_layers} "
+            f"layers of width {args.hidden_size} ({args.num_heads} heads, MLP {args.intermediate_size}), vocabulary "
+            f"{args.vocab_size}, {args.dtype}; on {get_accelerator().device_name()} with {os.cpu_count()} CPU cores, "
+            f"this process {torch.get_num_threads()} torch threads, OMP_NUM_THREADS for 1 rank {threads[1]}, "
+            f"for each of 2 ranks {threads[2]}")
+
+
 def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
     exp_name = f"benchmark_{ranks}ranks_zero{stage}"
@@ -456,6 +467,7 @@ if __name__ == "__main__":
             if getattr(args, key) == getattr(defaults, key):  # a flag given with another value wins over the preset
                 setattr(args, key, value)
     os.makedirs("runs", exist_ok=True)
+    print(settings(args), flush=True)
     if args.profile:
         with tempfile.TemporaryDirectory() as folder:
             build_models(args, folder)

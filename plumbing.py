@@ -65,6 +65,10 @@ def check_ranges(args) -> None:
         for rule in getattr(hint, "__metadata__", ()):
             if value is not None and not RANGES[rule](value):
                 fail(f"--{name.replace('_', '-')} must {rule}, not {value}")
+    for name, stage in vars(args).items():
+        if name.endswith("zero_stage") and stage == 0 and getattr(args, "offload", False):
+            fail(f"--offload needs --{name.replace('_', '-')} 1, 2 or 3: DeepSpeed offloads only a partitioned "
+                 "optimizer, and ZeRO-0 keeps it whole on the device")
 
 def check_finite_args(args) -> None:
     """Every float flag must be a number: inf or nan slip through `> 0` checks."""
@@ -208,16 +212,18 @@ def model_config(path: str, disable_dropout: bool, trust_remote_code: bool, **kw
                 setattr(config, key, 0.0)
     return config
 
-def adamw(params, lr: float, weight_decay: float, offload: bool):
-    """torch's fused AdamW (one kernel for all weights), or with --offload DeepSpeed's CPU Adam (the step is there)."""
-    adam = deepspeed.ops.adam.DeepSpeedCPUAdam if offload else functools.partial(
-        torch.optim.AdamW, fused=get_accelerator().device_name() in ("cpu", "cuda"))
-    return adam(params, lr=lr, weight_decay=weight_decay)
+def adamw(params, lr: float, weight_decay: float):
+    """torch's fused AdamW: one kernel for all weights, on the GPU, or on the CPU where --offload puts the step."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                             fused=get_accelerator().device_name() in ("cpu", "cuda"))
 
 def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
     """deepspeed.initialize: trained (optimizer and scheduler given) in train mode, else frozen in eval mode."""
     if optimizer is None:
         model.requires_grad_(False)
+    # With the optimizer offloaded, DeepSpeed asks for its own CPU Adam, compiled on first use (90 s on 2 cores, and a
+    # C++ compiler on every node); torch's fused AdamW steps on the CPU as fast (docs/scaling.md, "Offload").
+    ds_config = {**ds_config, "zero_force_ds_cpu_optimizer": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     # from_pretrained returns a model in eval mode, and gradient checkpointing only acts in train mode.
     engine.train(optimizer is not None)
@@ -673,11 +679,20 @@ def master_weight(engine, param) -> torch.Tensor:
     master = local_master(engine, param)
     return master.detach().float() if master is not None else deepspeed.utils.safe_get_full_fp32_param(param)
 
+def link_optimizer_states(engine) -> None:
+    """DeepSpeed 0.19.8's ZeRO-1/2 and bf16 optimizers link each parameter to its slice of Adam's moments once, right
+    after the first parameter group's first step: a second group's moments (LoRA's adapters) do not exist yet and stay
+    unlinked, and safe_get_full_optimizer_state fails on them. Linked again here, after every group has stepped."""
+    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+
 def save_training_state(engine, path: str, is_main: bool) -> dict:
     """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors), whole, by the
     engine's names (every rank takes part, rank 0 writes). Returns the optimizer's step, the scheduler's state and in
     fp16 the loss scale's."""
     base_optimizer = torch_optimizer(engine)
+    link_optimizer_states(engine)
     weights, moments = {}, {}
     for name, param in engine.module.named_parameters():
         master = local_master(engine, param)
@@ -703,8 +718,8 @@ LOSS_SCALE_FIELDS = ["cur_scale", "cur_iter", "last_overflow_iter", "cur_hystere
 
 def loss_scaler(engine):
     """What holds fp16's dynamic loss scale in the engine's optimizer (ZeRO 1-3: its loss_scaler; ZeRO-0: its
-    loss_scale_config), or None without fp16 (DeepSpeed 0.19.8, no public API; test_fp16_resume_keeps_the_loss_scale).
-    """
+    loss_scale_config), or None without fp16 (DeepSpeed 0.19.8, no public API;
+    test_mixed_precision_resume_keeps_master_weights_and_scale)."""
     optimizer = engine.optimizer
     return (getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)) \
         if engine.fp16_enabled() else None
@@ -725,6 +740,7 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     for _ in range(engine.gradient_accumulation_steps()):
         engine.backward(engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device)).logits.sum() * 0.0)
         engine.step()
+    link_optimizer_states(engine)
     weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
     load_weights(engine, weights)
     moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))

@@ -585,8 +585,7 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
                "lr": learning_rate},
               {"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
                "lr": lora_learning_rate}]
-    optimizer = plumbing.adamw([group for group in groups if group["params"]], learning_rate, args.weight_decay,
-                               args.offload)
+    optimizer = plumbing.adamw([group for group in groups if group["params"]], learning_rate, args.weight_decay)
     num_steps = args.num_iterations * args.num_ppo_epochs * args.num_mini_batches
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
     return plumbing.initialize_engine(model, ds_config, optimizer, scheduler)

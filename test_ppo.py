@@ -161,9 +161,10 @@ def test_logprobs_values_and_scores_of_a_padded_batch_are_those_of_each_row_alon
 
 
 def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
-    # --offload puts actor and critic optimizer states in CPU memory (DeepSpeedCPUAdam, compiled on first use);
+    # --offload puts actor and critic optimizer states in CPU memory (ZeRO-2 and ZeRO-1 here: ZeRO-0 offloads nothing);
     # the frozen models' own offload runs them under ZeRO-3 with their parameters in CPU memory.
     result, exp_name = run_ppo(stages, tmp_path / "offload", "--total-episodes", "16", "--offload",
+                               "--actor-zero-stage", "2", "--critic-zero-stage", "1",
                                "--offload-reference-model", "--offload-reward-model", "--dtype", "bf16",
                                "--actor-gradient-checkpointing", "--critic-gradient-checkpointing")
     check_metrics(read_metrics(exp_name), 2)
@@ -211,25 +212,34 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     return int(marker.read_text().removeprefix("iteration_")), [m["iteration"] for m in run_metrics(out)]
 
 
+# One actor optimizer step per iteration: the snapshots of every iteration are the actor's weight history.
+ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "--snapshot-every", "1"]
+
+
 @pytest.mark.parametrize("ranks, sigs, flags", [
     (None, [signal.SIGTERM, signal.SIGKILL], ["--enable-ema", "--actor-lora-dim", "4", "--critic-lora-dim", "4",
                                               "--target-kl", "0.01", "--kl-horizon", "100"]),
-    (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--dtype", "bf16", "--enable-ema"]),
+    (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--enable-ema", "--ema-decay", "0.5",
+                           "--unsup-dataset", "toy_task/pretrain.txt", "--actor-lora-dim", "4", "--critic-lora-dim",
+                           "4", *ONE_STEP_PER_ITERATION]),
 ])
 def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
     """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
     uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included, and
-    the EMA and LoRA adapters and the adaptive KL coefficient (on one rank) or the EMA under ZeRO-3 in bf16 (on two)
-    end where they would have. On
-    one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
+    the EMA, the LoRA adapters and the adaptive KL coefficient end where they would have (on two ranks with the actor
+    under ZeRO-3, the critic's LoRA under ZeRO-2 and the pretraining mix, the EMA checked against the actor's weight
+    history too: check_ema; the state in fp16 and bf16: test_mixed_precision_resume_keeps_master_weights_and_scale).
+    On one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
     one metrics file, with every iteration logged once."""
-    iterations = 6  # of 8 prompts per rank
+    iterations = 6 if len(sigs) > 1 else 4  # of 8 prompts per rank; a checkpoint every 2, one killed per signal
     flags = ["--total-episodes", str(8 * iterations * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
     out = tmp_path / "straight"
     _, exp_name = run_ppo(stages, out, *flags, ranks=ranks)
     uninterrupted = read_metrics(exp_name)
     check_metrics(uninterrupted, iterations)
     check_actor_trained(out, stages)
+    if "--snapshot-every" in flags:
+        check_ema(out, stages, uninterrupted, decay=float(flags[flags.index("--ema-decay") + 1]))
 
     out, exp_name, done = tmp_path / "killed", f"test_killed_{ranks}", 0
     for sig in sigs:
@@ -549,6 +559,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         ({"only_optimize_lora": True}, "--only-optimize-lora needs the actor's adapters"),
         ({"align_overflow": True}, "--align-overflow is for --dtype fp16"),
         ({"inference_tp_size": 2}, "--inference-tp-size above 1 needs --enable-hybrid-engine"),
+        ({"offload": True, "actor_zero_stage": 2}, "--offload needs --critic-zero-stage 1, 2 or 3"),
     ]])
     # (A wrong data file or model folder alone, through plumbing's load_split and check_model_folder: test_plumbing.py.)
     check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16"], [
@@ -638,10 +649,14 @@ def test_evaluate(stages, wrong, tmp_path):
 
 def test_benchmark(tmp_path):
     """benchmark.py runs ppo.py (here also on 2 ranks with the actor under ZeRO-3 in fp32, where the first PPO ratio
-    must be exactly 1) and the bare calls, and its figures show no gradients or optimizer state for frozen models."""
+    must be exactly 1) and the bare calls, and its figures show no gradients or optimizer state for frozen models;
+    --profile times every phase of both, and the GPU preset (Pythia-1B's shape, bf16) applies where no flag says
+    otherwise. A tiny shape, to run here."""
+    small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
+             "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
     output = tmp_path / "benchmark.json"
-    run("benchmark.py", "--warmup-iterations", "0", "--iterations", "1", "--repeats", "1", "--two-rank-stages", "3",
-        "--output-json", str(output))
+    run("benchmark.py", *small, "--warmup-iterations", "0", "--iterations", "1", "--repeats", "1",
+        "--two-rank-stages", "3", "--output-json", str(output))
     result = json.loads(output.read_text())
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0", "2 ranks, actor ZeRO-3"]
     assert all(r["rollout_s"] > 0 and r["rollout_limit_s"] > 0 and r["update_limit_s"] > 0 for r in result["rows"])
@@ -651,19 +666,12 @@ def test_benchmark(tmp_path):
     for trained in ["actor", "critic"]:  # AdamW: two moments per parameter
         assert memory[trained]["optimizer_state_mb"] >= 2 * memory[trained]["parameters_mb"] > 0
 
-    # The GPU preset (Pythia-1B's shape, bf16), shrunk to run here.
-    small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
-             "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
-    run("benchmark.py", "--preset", "pythia-1b", *small, "--warmup-iterations", "0", "--iterations", "1",
-        "--repeats", "1", "--output-json", str(output))
-    result = json.loads(output.read_text())
-    assert result["args"]["dtype"] == "bf16" and result["args"]["num_heads"] == 8 and result["args"]["hidden_size"] == 64
-    assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0"]
-
     # --profile: every phase of ppo.py's iteration is found and timed (a phase at 0 would mean ppo.py no longer
     # calls the function the profile wraps for it), and the limit's phases too (it does no checks or logging).
-    profile = run("benchmark.py", "--profile", "--profile-zero-stage", "3", *small, "--warmup-iterations", "1",
-                  "--iterations", "1").stdout
+    profile = run("benchmark.py", "--preset", "pythia-1b", "--profile", "--profile-zero-stage", "3", *small,
+                  "--warmup-iterations", "1", "--iterations", "1").stdout
+    assert "shape: 8 episodes of 8 + 8 tokens, 1 layers of width 64 (8 heads, MLP 128), vocabulary 512, bf16;" in profile
+    assert "OMP_NUM_THREADS for 1 rank 1, for each of 2 ranks 1" in profile  # the test's ENV: 1 thread
     rows = {line.split(" | ")[0].strip("| "): [float(x) for x in line.split(" | ")[1:3]]
             for line in profile.splitlines() if line.startswith("| ") and not line.startswith("| phase")}
     assert set(rows) == {*benchmark.PHASES, "other", "iteration"}, profile
@@ -675,39 +683,27 @@ def test_benchmark(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # DeepSpeed-Chat's extras: EMA, LoRA, the pretraining mix, fp16 overflow alignment
 # ---------------------------------------------------------------------------------------------------------------------
-# One actor optimizer step per iteration and a constant learning rate, so that the first iterations of a longer run
-# are exactly a shorter run: the saved actors of runs of 1, 2, ... iterations are the actor's weight history.
-ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "--lr-scheduler-type", "constant"]
-
-
 def saved_weights(folder):
     return safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
 
 
-def test_ema_is_the_decayed_average_of_the_actor_weights(stages, tmp_path):
-    """On 2 ranks, actor and critic under ZeRO-3 (with the pretraining mix and LoRA on both too): after two actor
-    steps, the saved EMA is d^2 w0 + (1 - d)(d w1 + w2) of the actor's weights w0 (SFT), w1, w2, each LoRA adapter
-    merged into its layer (the average of the merged weights, not the product of the averaged factors)."""
-    decay = 0.5
-    history = [saved_weights(stages[1])]
-    for iterations in (1, 2):
-        out = tmp_path / f"iterations_{iterations}"
-        _, exp_name = run_ppo(stages, out, "--total-episodes", str(16 * iterations), *ONE_STEP_PER_ITERATION,
-                              "--enable-ema", "--ema-decay", str(decay), "--actor-zero-stage", "3",
-                              "--critic-zero-stage", "3", "--unsup-dataset", "toy_task/pretrain.txt",
-                              "--critic-lora-dim", "4", "--actor-lora-dim", "4", ranks=2)
-        history.append(saved_weights(out / "actor"))
-        metrics = read_metrics(exp_name)
-        check_metrics(metrics, iterations)
-        assert all(math.isfinite(m["loss/unsup_avg"]) and m["loss/unsup_avg"] > 0 for m in metrics)
-        # Actor and reference, each gathered whole from its ZeRO-3 shards by ppo.gathered, start as the same model.
-        assert metrics[0]["objective/kl"] == 0.0
-    w0, w1, w2 = history
-    ema = saved_weights(out / "actor_ema")
-    assert ema.keys() == w2.keys()
+def check_ema(out, stages, metrics, decay):
+    """A run of one actor step per iteration, with an EMA, the pretraining mix and actor LoRA under ZeRO-3 on 2 ranks:
+    the saved EMA is w0 averaged with the actor's weights w1, ..., wn after each step (its snapshots), e <- d e +
+    (1 - d) w, each LoRA adapter merged into its layer (the average of the merged weights, not the product of the
+    averaged factors)."""
+    assert all(math.isfinite(m["loss/unsup_avg"]) and m["loss/unsup_avg"] > 0 for m in metrics)
+    # Actor and reference, each gathered whole from its ZeRO-3 shards by ppo.gathered, start as the same model.
+    assert metrics[0]["objective/kl"] == 0.0
+    history = [saved_weights(stages[1])] + [saved_weights(out / "snapshots" / f"iteration_{m['iteration']}")
+                                            for m in metrics]
+    ema, expected = saved_weights(out / "actor_ema"), dict(history[0])
+    assert ema.keys() == history[-1].keys()
+    assert all(torch.equal(weight, history[-1][name]) for name, weight in saved_weights(out / "actor").items())
+    for weights in history[1:]:
+        expected = {name: decay * expected[name] + (1 - decay) * weights[name] for name in expected}
     for name in ema:
-        expected = decay**2 * w0[name] + (1 - decay) * (decay * w1[name] + w2[name])
-        torch.testing.assert_close(ema[name], expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ema[name], expected[name], rtol=0, atol=1e-6)
     # Not trivially true: the actor moved at each step, so the average differs from each of the weights it averages.
     for w in history:
         assert max((ema[name] - w[name]).abs().max().item() for name in ema) > 1e-5
@@ -813,8 +809,8 @@ def test_align_overflow_skips_both_steps(tmp_path):
         assert lines == [f"zero {stage}: {skipped}" for stage in range(4)], result.stdout[-2000:]
 
 
-FP16_RESUME_SCRIPT = """
-import json, os, sys, torch, deepspeed
+MIXED_PRECISION_RESUME_SCRIPT = """
+import json, os, sys, torch, deepspeed, safetensors.torch
 from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 import plumbing, ppo
@@ -823,43 +819,58 @@ deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 accelerator = get_accelerator()  # fp16 made to run on this CPU, as in ALIGN_OVERFLOW_SCRIPT
 accelerator.is_fp16_supported = lambda: True
 accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-args = ppo.Args(per_device_train_batch_size=1, num_iterations=1, dtype="fp16")
-args.gradient_accumulation_steps = 1
 ids = torch.tensor([[5, 6, 7, 8]])
-for stage in (0, 2, 3):
-    def engine():
-        config = ppo.deepspeed_config(stage, True, False, args)
-        config["fp16"]["initial_scale_power"] = 8
-        return ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model", config, args, 1e-3)
-    trained = engine()
-    for step in range(3):  # the second step overflows: the scale halves, and the count restarts
-        trained.backward(trained(input_ids=ids, labels=ids).loss * (float("inf") if step == 1 else 1.0))
-        trained.step()
-    folder = os.path.join(sys.argv[2], str(stage))
-    saved = json.loads(json.dumps(plumbing.save_training_state(trained, folder, True)))  # as state.json keeps it
-    resumed = engine()
-    plumbing.load_training_state(resumed, folder, saved, torch.device("cpu"))
-    same_weights = all(torch.equal(plumbing.master_weight(trained, p), plumbing.master_weight(resumed, q))
-                       for p, q in zip(trained.module.parameters(), resumed.module.parameters()))
-    print(json.dumps({"stage": stage, "trained": plumbing.loss_scale(trained), "resumed": plumbing.loss_scale(resumed),
-                      "new": plumbing.loss_scale(engine()), "same_weights": same_weights}))
+for dtype in ("fp16", "bf16"):
+    args = ppo.Args(per_device_train_batch_size=1, num_iterations=1, dtype=dtype)
+    args.gradient_accumulation_steps = 1
+    for stage in (0, 2, 3):
+        def engine():  # with LoRA: two parameter groups, the whole model's and the adapters'
+            config = ppo.deepspeed_config(stage, True, False, args)
+            config["fp16"]["initial_scale_power"] = 8
+            return ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model", config, args, 1e-3,
+                                   lora_dim=2, lora_learning_rate=1e-3)
+        trained = engine()
+        for step in range(3):  # in fp16 the second step overflows: the scale halves, and the count restarts
+            overflow = dtype == "fp16" and step == 1
+            trained.backward(trained(input_ids=ids, labels=ids).loss * (float("inf") if overflow else 1.0))
+            trained.step()
+        folder = os.path.join(sys.argv[2], dtype, str(stage))
+        saved = json.loads(json.dumps(plumbing.save_training_state(trained, folder, True)))  # as state.json keeps it
+        resumed = engine()
+        plumbing.load_training_state(resumed, folder, saved, torch.device("cpu"))
+        same_weights = all(torch.equal(plumbing.master_weight(trained, p), plumbing.master_weight(resumed, q))
+                           for p, q in zip(trained.module.parameters(), resumed.module.parameters()))
+        plumbing.save_training_state(resumed, folder + "_resumed", True)  # Adam's moments, as the resumed run has them
+        moments = [safetensors.torch.load_file(os.path.join(f, "adam.safetensors"))
+                   for f in (folder, folder + "_resumed")]
+        same_moments = moments[0].keys() == moments[1].keys() and any("lora_" in name for name in moments[0]) and all(
+            torch.equal(moments[0][name], moments[1][name]) and moments[0][name].abs().sum() > 0 for name in moments[0])
+        print(json.dumps({"dtype": dtype, "stage": stage, "trained": plumbing.loss_scale(trained),
+                          "resumed": plumbing.loss_scale(resumed), "new": plumbing.loss_scale(engine()),
+                          "same_weights": same_weights, "same_moments": same_moments}))
 """
 
 
-def test_fp16_resume_keeps_the_loss_scale(tmp_path):
-    """fp16 (made to run on this CPU): a checkpoint keeps DeepSpeed's dynamic loss scale after an overflow (the scale
-    halved at ZeRO-0, the hysteresis spent at ZeRO 2 and 3, the steps since the overflow counted), and --resume
-    restores it, and the fp32 master weights (at ZeRO-0 DeepSpeed's fp32 copies), instead of starting over."""
-    script = tmp_path / "fp16_resume.py"
-    script.write_text(FP16_RESUME_SCRIPT)
+def test_mixed_precision_resume_keeps_master_weights_and_scale(tmp_path):
+    """fp16 (made to run on this CPU) and bf16 at ZeRO 0, 2 and 3, with LoRA (a second parameter group): a checkpoint
+    keeps the fp32 master weights (at ZeRO-0 DeepSpeed's fp32 copies) and every group's Adam moments, and in fp16
+    DeepSpeed's dynamic loss scale after an overflow (the scale halved at ZeRO-0, the hysteresis spent at ZeRO 2 and
+    3, the steps since the overflow counted); --resume restores them all instead of starting over."""
+    script = tmp_path / "mixed_precision_resume.py"
+    script.write_text(MIXED_PRECISION_RESUME_SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True,
                             text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    states = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"stage"')]
-    assert [state["stage"] for state in states] == [0, 2, 3]
+    states = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"dtype"')]
+    assert [(state["dtype"], state["stage"]) for state in states] == [(d, s) for d in ("fp16", "bf16")
+                                                                      for s in (0, 2, 3)]
     for state in states:
-        assert state["trained"]["last_overflow_iter"] == 1 and state["trained"]["cur_iter"] == 3, state
-        assert state["resumed"] == state["trained"] != state["new"] and state["same_weights"], state
+        assert state["same_weights"] and state["same_moments"], state
+        if state["dtype"] == "fp16":
+            assert state["trained"]["last_overflow_iter"] == 1 and state["trained"]["cur_iter"] == 3, state
+            assert state["resumed"] == state["trained"] != state["new"], state
+        else:
+            assert state["trained"] is None and state["resumed"] is None, state
 
 
 GATHERED_SCRIPT = """
