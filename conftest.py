@@ -9,7 +9,7 @@ from test_sft_and_reward_model import FEW_STEPS, run
 def stages(tmp_path_factory):
     """SFT and reward model checkpoints, a few steps each, as ppo.py's flags."""
     root = tmp_path_factory.mktemp("stages")
-    run("sft.py", *FEW_STEPS, "--output-dir", str(root / "sft"))
+    run("sft.py", *FEW_STEPS, "--output-dir", str(root / "sft"), here=True)
     run("reward_model.py", *FEW_STEPS, "--model-name-or-path", str(root / "sft"), "--output-dir", str(root / "rm"),
-        "--normalization-samples", "64")
+        "--normalization-samples", "64", here=True)
     return ["--actor-model-name-or-path", str(root / "sft"), "--reward-model-name-or-path", str(root / "rm")]

@@ -41,12 +41,12 @@ FEW_ITERATIONS = ["--per-device-rollout-batch-size", "8", "--num-mini-batches", 
                   "--sample-every", "1"]
 
 
-def run_ppo(stages, out, *flags, ranks=None, check=True):
+def run_ppo(stages, out, *flags, ranks=None, check=True, here=False):
     exp_name = f"test_{os.path.basename(out)}"
     for old in glob.glob(f"runs/{exp_name}__*"):
         shutil.rmtree(old)
     result = run("ppo.py", *stages, *FEW_ITERATIONS, "--output-dir", str(out), "--exp-name", exp_name, *flags,
-                 ranks=ranks, check=check)
+                 ranks=ranks, check=check, here=here)
     return result, exp_name
 
 
@@ -166,7 +166,7 @@ def test_offload_bf16_and_gradient_checkpointing(stages, tmp_path):
     result, exp_name = run_ppo(stages, tmp_path / "offload", "--total-episodes", "16", "--offload",
                                "--actor-zero-stage", "2", "--critic-zero-stage", "1",
                                "--offload-reference-model", "--offload-reward-model", "--dtype", "bf16",
-                               "--actor-gradient-checkpointing", "--critic-gradient-checkpointing")
+                               "--actor-gradient-checkpointing", "--critic-gradient-checkpointing", here=True)
     check_metrics(read_metrics(exp_name), 2)
     check_actor_trained(tmp_path / "offload", stages)
 
@@ -487,7 +487,8 @@ def test_an_actor_folder_in_half_precision_with_its_own_generation_config(stages
     # ppo.py samples exactly its configured distribution: the folder's generation config does not apply, so responses
     # may stop with EOS before the 12th token (with min_new_tokens 12 and 12 new tokens at most, none could).
     write_surprising_generation_config(half)
-    _, exp_name = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--actor-model-name-or-path", str(half))
+    _, exp_name = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--actor-model-name-or-path", str(half),
+                          here=True)
     metrics = read_metrics(exp_name)
     assert sum(m["val/num_eos_tokens"] for m in metrics) > 0
     assert {w.dtype for w in saved_weights(tmp_path / "out" / "actor").values()} == {torch.float32}
@@ -499,7 +500,7 @@ def test_invalid_rows_in_the_first_micro_batch_pass_the_ratio_check(stages, tmp_
     mean, 0, as the ratio and stopped a valid run)."""
     result, exp_name = run_ppo(stages, tmp_path, "--total-episodes", "32", "--num-mini-batches", "1",
                                "--per-device-train-batch-size", "1", "--num-ppo-epochs", "1",
-                               "--max-new-tokens", "24", "--min-response-tokens", "17")
+                               "--max-new-tokens", "24", "--min-response-tokens", "17", here=True)
     metrics = read_metrics(exp_name)
     check_metrics(metrics, 4)
     assert all(0 < m["val/num_invalid"] < 8 for m in metrics)
@@ -609,7 +610,7 @@ def test_evaluate(stages, wrong, tmp_path):
     """evaluate.py compares the SFT and PPO policies on held-out prompts, by the reward model and by the gold rule,
     and draws the training curves and, from the run's snapshots, the over-optimisation picture."""
     out = tmp_path / "ppo"
-    _, exp_name = run_ppo(stages, out, "--total-episodes", "16", "--snapshot-every", "1")
+    _, exp_name = run_ppo(stages, out, "--total-episodes", "16", "--snapshot-every", "1", here=True)
     assert sorted(os.listdir(out / "snapshots")) == ["iteration_1", "iteration_2"]
     metrics_file = plumbing.read_record(str(out / "actor"))["metrics_file"]  # the run that trained this actor
     sft = tmp_path / "sft"  # the SFT model, with a generation config that evaluate.py must not apply
@@ -618,7 +619,7 @@ def test_evaluate(stages, wrong, tmp_path):
     flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
              "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12",
              "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
-    result = run("evaluate.py", *flags)
+    result = run("evaluate.py", *flags, here=True)
     assert "win rate of PPO over SFT, by the gold rule" in result.stdout
     assert f"ppo_training.png (from {metrics_file})" in result.stdout  # found through the actor's training_run.json
     summary = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
@@ -760,17 +761,22 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
 
 
-ALIGN_OVERFLOW_SCRIPT = """
-import os, sys, torch, deepspeed
+# Checks of what ppo.py and plumbing take from DeepSpeed's internals, in one process of their own (deepspeed_internals):
+# DeepSpeed refuses fp16 on a CPU, and its fp16 code paths (loss scaling, overflow checks) run here once told otherwise.
+SET_UP = """
+import json, os, sys, torch, deepspeed, safetensors.torch
 from deepspeed.accelerator import get_accelerator
-import ppo
+from transformers import AutoModelForCausalLM
+import plumbing, ppo
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-# DeepSpeed refuses fp16 on a CPU; its fp16 code paths (loss scaling, overflow checks) run here once told otherwise.
 accelerator = get_accelerator()
 accelerator.is_fp16_supported = lambda: True
 accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-for stage in (0, 1, 2, 3):
+"""
+
+ALIGN_OVERFLOW_SCRIPT = """
+for mode, stage in [(mode, stage) for mode in ("on", "off") for stage in (0, 1, 2, 3)]:
     def engine(seed):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
@@ -789,36 +795,13 @@ for stage in (0, 1, 2, 3):
             actor_loss = actor_loss * float("inf")
         actor.backward(actor_loss)
         critic.backward(critic_loss)
-        with ppo.aligned_overflow(actor, critic, enabled=sys.argv[2] == "on"):
+        with ppo.aligned_overflow(actor, critic, enabled=mode == "on"):
             actor.step()
             critic.step()
-    print(f"zero {stage}: actor skipped {actor.skipped_steps}, critic skipped {critic.skipped_steps}")
+    print(f"align {mode}, zero {stage}: actor skipped {actor.skipped_steps}, critic skipped {critic.skipped_steps}")
 """
 
-
-def test_align_overflow_skips_both_steps(tmp_path):
-    """fp16 (made to run on this CPU): with --align-overflow, when one model's gradients overflow both skip that
-    step, on every ZeRO stage; without it, each skips only its own."""
-    script = tmp_path / "align_overflow.py"
-    script.write_text(ALIGN_OVERFLOW_SCRIPT)
-    for mode, skipped in [("on", "actor skipped 2, critic skipped 2"), ("off", "actor skipped 1, critic skipped 1")]:
-        result = subprocess.run([sys.executable, str(script), str(free_port()), mode], capture_output=True,
-                                text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        lines = [line for line in result.stdout.splitlines() if line.startswith("zero ")]
-        assert lines == [f"zero {stage}: {skipped}" for stage in range(4)], result.stdout[-2000:]
-
-
 MIXED_PRECISION_RESUME_SCRIPT = """
-import json, os, sys, torch, deepspeed, safetensors.torch
-from deepspeed.accelerator import get_accelerator
-from transformers import AutoModelForCausalLM
-import plumbing, ppo
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-accelerator = get_accelerator()  # fp16 made to run on this CPU, as in ALIGN_OVERFLOW_SCRIPT
-accelerator.is_fp16_supported = lambda: True
-accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
 ids = torch.tensor([[5, 6, 7, 8]])
 for dtype in ("fp16", "bf16"):
     args = ppo.Args(per_device_train_batch_size=1, num_iterations=1, dtype=dtype)
@@ -851,17 +834,34 @@ for dtype in ("fp16", "bf16"):
 """
 
 
-def test_mixed_precision_resume_keeps_master_weights_and_scale(tmp_path):
-    """fp16 (made to run on this CPU) and bf16 at ZeRO 0, 2 and 3, with LoRA (a second parameter group): a checkpoint
-    keeps the fp32 master weights (at ZeRO-0 DeepSpeed's fp32 copies) and every group's Adam moments, and in fp16
-    DeepSpeed's dynamic loss scale after an overflow (the scale halved at ZeRO-0, the hysteresis spent at ZeRO 2 and
-    3, the steps since the overflow counted); --resume restores them all instead of starting over."""
-    script = tmp_path / "mixed_precision_resume.py"
-    script.write_text(MIXED_PRECISION_RESUME_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path)], capture_output=True,
+@pytest.fixture(scope="module")
+def deepspeed_internals(tmp_path_factory):
+    """What ALIGN_OVERFLOW_SCRIPT, MIXED_PRECISION_RESUME_SCRIPT and GATHERED_SCRIPT print, run in this order in one
+    process after SET_UP."""
+    folder = tmp_path_factory.mktemp("internals")
+    script = folder / "deepspeed_internals.py"
+    script.write_text(SET_UP + ALIGN_OVERFLOW_SCRIPT + MIXED_PRECISION_RESUME_SCRIPT + GATHERED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(free_port()), str(folder)], capture_output=True,
                             text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    states = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"dtype"')]
+    return result.stdout
+
+
+def test_align_overflow_skips_both_steps(deepspeed_internals):
+    """fp16: with --align-overflow, when one model's gradients overflow both skip that step, on every ZeRO stage;
+    without it, each skips only its own."""
+    lines = [line for line in deepspeed_internals.splitlines() if line.startswith("align ")]
+    assert lines == [f"align {mode}, zero {stage}: {skipped}" for mode, skipped in
+                     [("on", "actor skipped 2, critic skipped 2"), ("off", "actor skipped 1, critic skipped 1")]
+                     for stage in range(4)], deepspeed_internals[-2000:]
+
+
+def test_mixed_precision_resume_keeps_master_weights_and_scale(deepspeed_internals):
+    """fp16 and bf16 at ZeRO 0, 2 and 3, with LoRA (a second parameter group): a checkpoint keeps the fp32 master
+    weights (at ZeRO-0 DeepSpeed's fp32 copies) and every group's Adam moments, and in fp16 DeepSpeed's dynamic loss
+    scale after an overflow (the scale halved at ZeRO-0, the hysteresis spent at ZeRO 2 and 3, the steps since the
+    overflow counted); --resume restores them all instead of starting over."""
+    states = [json.loads(line) for line in deepspeed_internals.splitlines() if line.startswith('{"dtype"')]
     assert [(state["dtype"], state["stage"]) for state in states] == [(d, s) for d in ("fp16", "bf16")
                                                                       for s in (0, 2, 3)]
     for state in states:
@@ -874,12 +874,7 @@ def test_mixed_precision_resume_keeps_master_weights_and_scale(tmp_path):
 
 
 GATHERED_SCRIPT = """
-import os, sys, torch, deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from transformers import AutoModelForCausalLM
-import ppo
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 args = ppo.Args(per_device_train_batch_size=2, num_iterations=1)
 args.gradient_accumulation_steps = 1
 ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
@@ -923,16 +918,11 @@ for trained in (False, True):
 """
 
 
-def test_gathered_rollout_weights_are_whole_and_hooks_come_back(tmp_path):
+def test_gathered_rollout_weights_are_whole_and_hooks_come_back(deepspeed_internals):
     """ppo.gathered, which reaches into DeepSpeed's private ZeRO-3 hooks: inside it every weight of a frozen and of a
     trained ZeRO-3 engine is whole and stays whole through a forward pass (no hook partitions it again), with the
     same outputs; after it the weights are back in their shards, the hooks are back and DeepSpeed still has the
     module order it traced (it would trace it again, without prefetching, if the hooks were registered anew), and an
     optimizer step gives what it gives without the gathering, and under ZeRO-0 (no parameter kept whole under ZeRO-3).
     A DeepSpeed release that renames those attributes fails here."""
-    script = tmp_path / "gathered.py"
-    script.write_text(GATHERED_SCRIPT)
-    result = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
-                            env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-2:] == ["trained=False: ok", "trained=True: ok"], result.stdout[-2000:]
+    assert deepspeed_internals.splitlines()[-2:] == ["trained=False: ok", "trained=True: ok"], deepspeed_internals
