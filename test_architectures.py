@@ -121,13 +121,13 @@ def test_three_stages_on_one_rank(model_type, trained, tmp_path):
         assert model_class.from_pretrained(folder).config.model_type == model_type
 
 
-def only_metrics_file(exp_name):
-    """The iterations of the one metrics file this experiment wrote (then removed)."""
+def metrics_of(exp_name):
+    """The lines of the one metrics file this experiment wrote (then removed), each with finite scores and losses."""
     (path,) = glob.glob(f"runs/{exp_name}__*/metrics.jsonl")
     metrics = [json.loads(line) for line in open(path)]
     shutil.rmtree(os.path.dirname(path))
     assert all(math.isfinite(m["objective/scores"]) and math.isfinite(m["loss/policy_avg"]) for m in metrics)
-    return [m["iteration"] for m in metrics]
+    return metrics
 
 
 def test_ppo_on_two_ranks_under_torchrun_with_the_actor_under_zero3(trained, tmp_path):
@@ -137,30 +137,42 @@ def test_ppo_on_two_ranks_under_torchrun_with_the_actor_under_zero3(trained, tmp
     run("ppo.py", *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3", "--actor-model-name-or-path", sft,
         "--reward-model-name-or-path", rm, "--output-dir", str(tmp_path), "--exp-name", "test_torchrun_opt", ranks=2,
         launch=torchrun)
-    assert only_metrics_file("test_torchrun_opt") == [1, 2]
+    assert [m["iteration"] for m in metrics_of("test_torchrun_opt")] == [1, 2]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "actor").config.model_type == "opt"
 
 
-def test_ppo_across_two_nodes(trained, tmp_path):
+def test_ppo_across_two_nodes_computes_what_two_ranks_on_one_node_do(trained, tmp_path):
     """Two nodes of one rank each, simulated on this machine as on a cluster without ssh: one deepspeed launcher per
-    node (--no_ssh, its --node_rank, one hostfile, node 0's address), GPT-NeoX with the actor under ZeRO-3. Node 1's
-    rank is its node's local rank 0 too: only the job's rank 0 prints and writes (one metrics file)."""
+    node (--no_ssh, its --node_rank, one hostfile, node 0's address), GPT-NeoX with the actor under ZeRO-3; and the
+    same flags on 2 ranks of one node. Node 1's rank is its node's local rank 0 too: only the job's rank 0 prints and
+    writes (one metrics file, each iteration once, and an output folder with the one-node run's files), and both
+    compute the same metrics, since every rank takes its prompts and seeds by its global rank. (Two nodes under
+    torchrun: test_launchers.py.)"""
     sft, rm = trained("gpt_neox")
+    flags = ["ppo.py", *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3", "--actor-model-name-or-path",
+             sft, "--reward-model-name-or-path", rm]
     no_runs_of("test_two_nodes")
+    no_runs_of("test_one_node")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
     port = free_port()
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
-         str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), "ppo.py", *PPO_STEPS, "--total-episodes",
-         "32", "--actor-zero-stage", "3", "--actor-model-name-or-path", sft, "--reward-model-name-or-path", rm,
-         "--output-dir", str(tmp_path / "ppo"), "--exp-name", "test_two_nodes"],
+         str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), *flags, "--output-dir",
+         str(tmp_path / "nodes"), "--exp-name", "test_two_nodes"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV) for node in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "iteration 2/2" in outputs[0] and "iteration 2/2" not in outputs[1]
-    assert only_metrics_file("test_two_nodes") == [1, 2]
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "actor").config.model_type == "gpt_neox"
+    assert "iteration 2/2" in outputs[0] and "iteration 1/2" not in outputs[1] and "saved the actor" not in outputs[1]
+    run(*flags, "--output-dir", str(tmp_path / "one_node"), "--exp-name", "test_one_node", ranks=2)
+    across_nodes, one_node = metrics_of("test_two_nodes"), metrics_of("test_one_node")
+    assert [m["iteration"] for m in across_nodes] == [m["iteration"] for m in one_node] == [1, 2]
+    for nodes, node in zip(across_nodes, one_node):
+        for name, value in node.items():
+            if not name.startswith(("time/", "memory/", "eps")):
+                assert nodes[name] == pytest.approx(value, rel=1e-5, abs=1e-6), (node["iteration"], name)
+    assert sorted(os.listdir(tmp_path / "nodes")) == sorted(os.listdir(tmp_path / "one_node"))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "nodes" / "actor").config.model_type == "gpt_neox"
 
 
 def other_tokenizer(texts) -> PreTrainedTokenizerFast:

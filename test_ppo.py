@@ -212,8 +212,10 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     return int(marker.read_text().removeprefix("iteration_")), [m["iteration"] for m in run_metrics(out)]
 
 
-# One actor optimizer step per iteration: the snapshots of every iteration are the actor's weight history.
-ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "--snapshot-every", "1"]
+# One actor optimizer step per iteration, of one forward pass: the snapshots of every iteration are the actor's weight
+# history.
+ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "--per-device-train-batch-size", "8",
+                          "--snapshot-every", "1"]
 
 
 @pytest.mark.parametrize("ranks, sigs, flags", [

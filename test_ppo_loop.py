@@ -262,7 +262,7 @@ def check_updates(records, metrics, models, args):
                         cliprange=args["cliprange"])
                     entropy = rlhf_math.masked_mean(rlhf_math.entropy_from_logits(logits.detach(), T), mask)
                     for name, value in [("pg_loss", loss), ("entropy", entropy), *stats.items()]:
-                        total[name] += float(value) * n
+                        total[name] += float(value.detach() if torch.is_tensor(value) else value) * n
                     total["tokens"] += n
                     if n:
                         total["ratios"].append(float(stats["ratio"]))
