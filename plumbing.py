@@ -23,10 +23,12 @@ from typing import Annotated, get_type_hints
 
 import datasets
 import deepspeed
+import peft
 import safetensors.torch
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoTokenizer
 
@@ -233,6 +235,70 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
         engine.enable_backward_allreduce = False
     return engine
 
+@contextlib.contextmanager
+def gathered(engine, enabled: bool):
+    """Under ZeRO-3, gather a model's full weights once and take DeepSpeed's hooks off, so that generating and
+    scoring do not gather the weights again block by block for every new token and every forward pass (the recipe of
+    TRL's unwrap_model_for_generation). Only for no-gradient work: the hooks are back for the update. Beyond TRL's
+    recipe, the weights come in one coalesced all-gather, not one per parameter; the engine's own hooks around each
+    forward pass are off too; and the hooks come back as they were, in their modules' hook tables, instead of being
+    registered anew, which makes DeepSpeed forget the module order it traced, so that the next forward and backward
+    would trace it again without prefetching. Does nothing below ZeRO-3.
+
+    DeepSpeed has no public API for this: it uses the hook handles of the engine's parameter coordinator
+    (forward_hooks, backward_hooks, fwd_pre_hook) and of the engine (module_forward_pre_hook,
+    module_forward_post_hook), the tables torch keeps hooks in (a handle's hooks_dict_ref and extra_dict_ref) and
+    ds_active_sub_modules, checked with DeepSpeed 0.19.8 and torch 2.13
+    (test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
+    if not enabled or engine.zero_optimization_stage() != 3:
+        yield
+        return
+    # The ZeRO-3 machinery that owns the hooks: the optimizer's, or the engine's own when it has no optimizer.
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    partitioned = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if partitioned:
+        partitioned[0].all_gather_coalesced(partitioned).wait()
+    handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook, engine.module_forward_pre_hook,
+               engine.module_forward_post_hook]
+    tables = {id(table): table for handle in handles
+              for table in [handle.hooks_dict_ref(), *(ref() for ref in handle.extra_dict_ref)]}
+    saved = {key: dict(table) for key, table in tables.items()}  # each table as it is, in its order
+    for handle in handles:
+        handle.remove()
+    for p in engine.module.parameters():
+        p.ds_active_sub_modules.clear()
+    try:
+        yield
+    finally:
+        for key, table in tables.items():
+            table.clear()
+            table.update(saved[key])
+        if partitioned:  # back to this rank's shard; nothing was changed, so nothing is written back
+            partitioned[0].partition(param_list=partitioned, has_been_updated=False)
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Switch a model's LoRA adapters off for a while (a model without adapters is unchanged): a model whose adapters
+    alone were trained is then the model it started as."""
+    lora_layers = [m for m in model.modules() if isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer)]
+    for layer in lora_layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in lora_layers:
+            layer.enable_adapters(True)
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights as a plain model's state dict, each LoRA adapter folded into the layer it adapts:
+    W + (alpha / r) B A under W's own name (a model without adapters: its state dict as it is)."""
+    state = {name.replace(".base_layer.", "."): value for name, value in model.state_dict().items()
+                      if "lora_" not in name}
+    for name, module in model.named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight("default")
+    return state
+
 # --- Data files: one split, checked for its columns and its cells; prompts as token ids. ---
 def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
                extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
@@ -321,6 +387,22 @@ def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_
              "one; fix or remove the row")
     text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+def load_text_blocks(tokenizer, dataset: str, config: str | None, column: str, block_len: int, min_blocks: int,
+                     flag: str = "--unsup-dataset") -> torch.Tensor:
+    """Plain text (a .txt file, a column of a data file, or a hub data set), tokenized, joined with EOS between
+    documents and cut into blocks of BLOCK_LEN tokens, at least MIN_BLOCKS of them: [blocks, block_len]."""
+    data = load_split(dataset, "train", [column], flag, config, (".txt", ".json", ".jsonl", ".parquet"))
+    texts = [text for text in data[column] if isinstance(text, str) and text.strip()]
+    if not texts:
+        fail(f"{flag} {dataset!r} holds no text, only blank lines or empty cells")
+    stream = [t for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
+              for t in ids + [tokenizer.eos_token_id]]
+    num_blocks = len(stream) // block_len
+    if num_blocks < min_blocks:
+        fail(f"{flag} {dataset!r} holds {len(stream)} tokens, fewer than one micro-batch of {min_blocks} blocks of "
+             f"{block_len}; give it more text")
+    return torch.tensor(stream[: num_blocks * block_len]).view(num_blocks, block_len)
 
 def refuse_repeated_prompt(prompt, responses: dict[str, str], i: int, split: str) -> None:
     """Stop on the hh-rlhf layout read as if it were not: every response (column -> text) begins with the prompt."""
@@ -478,6 +560,12 @@ def watch_launcher() -> list[tuple[int, str]]:
     if watched:
         threading.Thread(target=watch, daemon=True).start()
     return watched
+
+def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each value (a scalar tensor) summed over all ranks, in one all_reduce, in float64."""
+    summed = torch.stack([value.double() for value in values.values()])
+    dist.all_reduce(summed)
+    return dict(zip(values, summed.tolist()))
 
 # --- Output folders: claimed and locked before anything loads, written whole or not at all (detail 40). ---
 RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
@@ -679,6 +767,20 @@ def master_weight(engine, param) -> torch.Tensor:
     master = local_master(engine, param)
     return master.detach().float() if master is not None else deepspeed.utils.safe_get_full_fp32_param(param)
 
+def merged_master_weight(engine, name: str) -> torch.Tensor:
+    """The fp32 master of weight NAME of the plain model (merged_state_dict's names) of an engine whose model may
+    carry LoRA adapters: for an adapted layer's weight W + (alpha / r) B A, from the masters of all three."""
+    layer_name, _, kind = name.rpartition(".")
+    layer = engine.module.get_submodule(layer_name)
+    if not isinstance(layer, peft.tuners.lora.LoraLayer):
+        return master_weight(engine, engine.module.get_parameter(name))
+    value = master_weight(engine, getattr(layer.base_layer, kind))
+    if kind == "weight":
+        delta = master_weight(engine, layer.lora_B["default"].weight) @ \
+            master_weight(engine, layer.lora_A["default"].weight)
+        value = value + layer.scaling["default"] * peft.utils.transpose(delta, layer.fan_in_fan_out)
+    return value
+
 def link_optimizer_states(engine) -> None:
     """DeepSpeed 0.19.8's ZeRO-1/2 and bf16 optimizers link each parameter to its slice of Adam's moments once, right
     after the first parameter group's first step: a second group's moments (LoRA's adapters) do not exist yet and stay
@@ -686,6 +788,31 @@ def link_optimizer_states(engine) -> None:
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
+
+def changed_settings(saved: dict, args, may_change: list[str]) -> list[str]:
+    """The flags of this run whose values differ from those a checkpoint was written with, but for MAY_CHANGE, and
+    the number of ranks (the fields that follow from it are in MAY_CHANGE)."""
+    changed = [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
+               if name not in may_change and name in saved and saved[name] != value]
+    if saved.get("world_size", args.world_size) != args.world_size:
+        changed.append(f"the number of ranks {saved['world_size']} (now {args.world_size})")
+    return changed
+
+def checkpoint_problem(checkpoint: str, engines: dict, frozen: set) -> str | None:
+    """Why --resume cannot continue from CHECKPOINT, or None: the safetensors files in it (each rank's own ones among
+    them: every rank reads all, so that all choose the same checkpoint) must read, and each engine's folder must hold
+    whole safetensors files with a tensor for every parameter, and Adam's two moments of each unless it is FROZEN."""
+    for file in sorted(os.listdir(checkpoint)):
+        try:
+            if file.endswith(".safetensors"):
+                safetensors.torch.load_file(os.path.join(checkpoint, file))
+        except (OSError, safetensors.SafetensorError):
+            return f"{file} is damaged"
+    for folder, engine in engines.items():
+        problem = engine_state_problem(os.path.join(checkpoint, folder), engine, folder not in frozen)
+        if problem is not None:
+            return problem
+    return None
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
     """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors), whole, by the
@@ -828,3 +955,11 @@ def continue_metrics_file(path: str, iteration: int) -> None:
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+
+def found_overflow(engine) -> bool:
+    """Whether this accumulation's fp16 gradients hold inf or NaN, the way the engine's optimizer will see it in
+    step() (a collective call: every rank takes part). Private DeepSpeed attributes (0.19.8)."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "overflow_checker"):  # ZeRO-0: FP16_Optimizer, FP16_UnfusedOptimizer
+        return optimizer.overflow_checker.check()
+    return optimizer.has_overflow(partition_gradients=getattr(optimizer, "partition_gradients", True))  # ZeRO 1-3

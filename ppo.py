@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import tyro
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from rich.console import Console
 from rich.table import Table
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
@@ -73,8 +72,8 @@ class Args:
     """the column that holds the prompt: text, or a list of {"role", "content"} chat messages (the
     tokenizer's chat template makes it a prompt)"""
     split_conversations: bool = False
-    """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation, and the prompt is its text up to and including the
-    last --assistant-marker"""
+    """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation,
+    and the prompt is its text up to and including the last --assistant-marker"""
     assistant_marker: str = "\n\nAssistant:"
     """where the last assistant turn opens in a whole conversation (--split-conversations)"""
     max_prompt_len: PositiveInt = 32
@@ -125,7 +124,8 @@ class Args:
     kl_estimator: Literal["k1", "k3"] = "k1"
     """the per-token KL estimator of the penalty (see rlhf_math.kl_per_token)"""
     clip_score: PositiveFloat = 5.0
-    """the normalized score is clipped to [-clip_score, clip_score] (in standard deviations of the SFT policy's scores)"""
+    """the normalized score is clipped to [-clip_score, clip_score] (in standard deviations of the SFT policy's
+    scores)"""
     cliprange: PositiveFloat = 0.2
     """epsilon, PPO's clip range of the probability ratio"""
     cliprange_value: PositiveFloat = 0.2
@@ -155,18 +155,21 @@ class Args:
     """print a table of a few prompts, responses and scores every this many iterations (0: never)"""
     save_every: CountInt = 0
     """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
+    trace_every: CountInt = 0
+    """print one response of the batch token by token, with every RL quantity of each position as the loop computed it
+    (docs/algorithm.md, "One response, token by token"), every this many iterations, and append it to
+    runs/RUN_NAME/trace.jsonl (0: never)"""
+    trace_response: Literal["stopped", "cut"] = "stopped"
+    """the response --trace-every shows: the first that stopped with EOS before --max-new-tokens (its EOS and the
+    padding after it show), or the first cut at --max-new-tokens"""
     snapshot_every: CountInt = 0
     """save the actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N every this many iterations and at
     the last (0: never), for evaluate.py's picture of reward-model and gold scores along training"""
     resume: bool = False
     """continue the unfinished run in OUTPUT_DIR from its latest complete checkpoint (or, if that one is damaged, the
-    one before), with the settings it started with: a changed setting is refused, except --save-every,
-    --sample-every, --snapshot-every, --track, --wandb-project-name, --actor-zero-stage, --critic-zero-stage,
-    --offload, --offload-reference-model, --offload-reward-model, --gather-weights-for-rollout,
-    --actor-gradient-checkpointing, --critic-gradient-checkpointing, --release-inference-cache,
-    --unpin-actor-parameters and --tp-gather-partition-size, which change how the run is saved, logged or laid out
-    in memory, not what it computes; --actor-model-name-or-path, --reward-model-name-or-path and
-    --critic-model-name-or-path may name their folders anew (moved), but must hold the same models"""
+    one before), with the settings it started with: a changed setting is refused, but for those that change how the
+    run is saved, logged or laid out in memory, not what it computes (ppo.RESUME_MAY_CHANGE: the ZeRO stages, offload,
+    gradient checkpointing, --save-every, ...); the model flags may name moved folders that hold the same models"""
     overwrite: bool = False
     """write into a non-empty --output-dir that ppo.py did not write (files and folders of the names ppo.py writes are
     replaced, nothing else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they
@@ -326,8 +329,11 @@ def check_normalization(config, actor_identity: str, args: Args) -> None:
     """reward_model.py measured reward_mean and reward_std on one policy's responses, sampled at one temperature and
     length (its config's reward_normalization). With another actor or sampling the scores do not start at mean 0 and
     std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so. actor_identity: the actor folder's
-    plumbing.folder_identity, as start_run read it."""
+    plumbing.folder_identity, as start_run read it. A config without reward_std (not reward_model.py's): said too."""
     measured = getattr(config, "reward_normalization", None)
+    if dist.get_rank() == 0 and not hasattr(config, "reward_std"):
+        print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
+              "are used unnormalized")
     if measured is None or dist.get_rank() != 0:
         return
     this = {"policy_identity": actor_identity, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
@@ -400,8 +406,10 @@ def loss_weight(mask: torch.Tensor, mini_batch_tokens: torch.Tensor, args: Args)
 def adapted_kl_coef(kl_coef: float, kl: torch.Tensor, valid: torch.Tensor, args: Args) -> float:
     """Ziegler et al.'s adaptive controller (rlhf_math.adaptive_kl_coef): beta grows when the mean KL per valid
     response, all ranks together, overshoots --target-kl, and shrinks below it. kl [B, R]; unchanged with no valid
-    response."""
-    kl_sum, num_valid = sum_over_ranks({"kl": kl.sum(dim=1).sum(), "valid": valid.sum()}).values()
+    response, and without --target-kl."""
+    if args.target_kl is None:
+        return kl_coef
+    kl_sum, num_valid = plumbing.sum_over_ranks({"kl": kl.sum(dim=1).sum(), "valid": valid.sum()}).values()
     if num_valid == 0:
         return kl_coef
     return rlhf_math.adaptive_kl_coef(kl_coef, kl_sum / num_valid, args.target_kl, args.kl_horizon, args.batch_size)
@@ -605,13 +613,18 @@ def build_engines(args: Args, critic_path: str):
     reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
     reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
     actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
-    if args.enable_hybrid_engine:
-        actor_ds_config["hybrid_engine"] = hybrid_engine_config(args)
+    if args.enable_hybrid_engine:  # DeepSpeed-Chat's, GPU only: the actor generates on inference kernels, with its
+        # own tensor parallelism and key-value cache, swapped in and out between eval() and train()
+        actor_ds_config["hybrid_engine"] = {
+            "enabled": True, "max_out_tokens": args.max_prompt_len + args.max_new_tokens,
+            "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
+            "pin_parameters": not args.unpin_actor_parameters,
+            "tp_gather_partition_size": args.tp_gather_partition_size}
     actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
                         actor_ds_config, args, args.actor_learning_rate, args.actor_gradient_checkpointing,
                         args.actor_lora_dim, args.actor_lora_learning_rate)
     # With only the actor's adapters trained, the actor with its adapters off is the SFT model: it is the reference
-    # (adapters_disabled), and a whole model copy is never loaded.
+    # (plumbing.adapters_disabled), and a whole model copy is never loaded.
     reference = actor if args.only_optimize_lora else init_engine(
         AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
         deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
@@ -633,47 +646,6 @@ def build_engines(args: Args, critic_path: str):
         plumbing.check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
     ema = init_ema(actor, args) if args.enable_ema else None
     return actor, reference, critic, reward, ema
-
-@contextlib.contextmanager
-def gathered(engine, enabled: bool):
-    """Under ZeRO-3, gather a model's full weights once and take DeepSpeed's hooks off, so that generating and
-    scoring do not gather the weights again block by block for every new token and every forward pass (the recipe of
-    TRL's unwrap_model_for_generation). Only for no-gradient work: the hooks are back for the update. Beyond TRL's
-    recipe, the weights come in one coalesced all-gather, not one per parameter; the engine's own hooks around each
-    forward pass are off too; and the hooks come back as they were, in their modules' hook tables, instead of being
-    registered anew, which makes DeepSpeed forget the module order it traced, so that the next forward and backward
-    would trace it again without prefetching. Does nothing below ZeRO-3.
-
-    DeepSpeed has no public API for this: it uses the hook handles of the engine's parameter coordinator
-    (forward_hooks, backward_hooks, fwd_pre_hook) and of the engine (module_forward_pre_hook,
-    module_forward_post_hook), the tables torch keeps hooks in (a handle's hooks_dict_ref and extra_dict_ref) and
-    ds_active_sub_modules, checked with DeepSpeed 0.19.8 and torch 2.13
-    (test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
-    if not enabled or engine.zero_optimization_stage() != 3:
-        yield
-        return
-    # The ZeRO-3 machinery that owns the hooks: the optimizer's, or the engine's own when it has no optimizer.
-    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-    partitioned = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if partitioned:
-        partitioned[0].all_gather_coalesced(partitioned).wait()
-    handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook, engine.module_forward_pre_hook,
-               engine.module_forward_post_hook]
-    tables = {id(table): table for handle in handles
-              for table in [handle.hooks_dict_ref(), *(ref() for ref in handle.extra_dict_ref)]}
-    saved = {key: dict(table) for key, table in tables.items()}  # each table as it is, in its order
-    for handle in handles:
-        handle.remove()
-    for p in engine.module.parameters():
-        p.ds_active_sub_modules.clear()
-    try:
-        yield
-    finally:
-        for key, table in tables.items():
-            table.clear()
-            table.update(saved[key])
-        if partitioned:  # back to this rank's shard; nothing was changed, so nothing is written back
-            partitioned[0].partition(param_list=partitioned, has_been_updated=False)
 
 def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, iteration: int,
                      start: int) -> torch.Tensor:
@@ -700,25 +672,17 @@ def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints for --resume, and the saved models.
 # ---------------------------------------------------------------------------------------------------------------
-# Settings that --resume lets change (the `resume` flag's help lists them): they change how the run is saved, logged
+# Settings that --resume lets change (the `resume` flag's help points here): they change how the run is saved, logged
 # or laid out in memory, not what it computes. The runtime fields derive from the others and the number of ranks.
-RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_every", "snapshot_every", "track",
-                     "wandb_project_name", "actor_zero_stage", "critic_zero_stage", "offload", "offload_reference_model",
-                     "offload_reward_model", "gather_weights_for_rollout", "actor_gradient_checkpointing",
+RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_every", "snapshot_every", "trace_every",
+                     "trace_response", "track", "wandb_project_name", "actor_zero_stage", "critic_zero_stage",
+                     "offload", "offload_reference_model", "offload_reward_model", "gather_weights_for_rollout",
+                     "actor_gradient_checkpointing",
                      "critic_gradient_checkpointing", "release_inference_cache", "unpin_actor_parameters",
                      "tp_gather_partition_size", "actor_model_name_or_path", "reward_model_name_or_path",
                      "critic_model_name_or_path"]  # the models' folders: by their content (plumbing.folder_identity)
 RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gradient_accumulation_steps",
                   "num_iterations"]  # Args' fields filled in at runtime
-
-def changed_settings(saved: dict, args: Args) -> list[str]:
-    """The settings of this run that differ from those a checkpoint was written with, but for RESUME_MAY_CHANGE: the
-    flags, and the number of ranks (the other runtime fields follow from them)."""
-    changed = [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
-               if name not in RESUME_MAY_CHANGE + RUNTIME_FIELDS and name in saved and saved[name] != value]
-    if saved.get("world_size", args.world_size) != args.world_size:
-        changed.append(f"the number of ranks {saved['world_size']} (now {args.world_size})")
-    return changed
 
 def read_state(checkpoint: str) -> dict | None:
     """A checkpoint's state.json, or None if it does not read."""
@@ -730,30 +694,11 @@ def read_state(checkpoint: str) -> dict | None:
     except (OSError, ValueError):
         return None
 
-def checkpoint_problem(checkpoint: str, engines: dict) -> str | None:
-    """Why --resume cannot continue from this checkpoint, or None: its state.json and the ranks' last valid batches
-    must read, and each engine's files must be whole safetensors files that hold a tensor for every parameter (and
-    Adam's two moments of each)."""
-    if read_state(checkpoint) is None:
-        return "its state.json is missing or damaged"
-    for rank in range(dist.get_world_size()):  # every rank's batch, so that all ranks choose the same checkpoint
-        batch = os.path.join(checkpoint, f"last_valid_batch_rank{rank}.safetensors")
-        try:  # (a checkpoint written before checkpoints kept the batch has none)
-            if os.path.exists(batch):
-                safetensors.torch.load_file(batch)
-        except (OSError, safetensors.SafetensorError):
-            return f"{os.path.basename(batch)} is damaged"
-    for folder, engine in engines.items():  # the EMA is frozen: it has no optimizer state
-        problem = plumbing.engine_state_problem(os.path.join(checkpoint, folder), engine, folder != "actor_ema")
-        if problem is not None:
-            return problem
-    return None
-
 def start_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads (plumbing.claim_output_dir), and the run they lead
     to: a new run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed
-    (changed_settings). Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to resume
-    from, newest first. Nothing is written but the claim: a new run's record waits for start_logging."""
+    (plumbing.changed_settings). Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to
+    resume from, newest first. Nothing is written but the claim: a new run's record waits for start_logging."""
     inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
@@ -777,7 +722,7 @@ def start_run(args: Args) -> dict:
         states = [state for state in map(read_state, checkpoints) if state is not None]
         if not states:
             plumbing.fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
-        changed = changed_settings(states[0]["args"], args)
+        changed = plumbing.changed_settings(states[0]["args"], args, RESUME_MAY_CHANGE + RUNTIME_FIELDS)
         if changed:
             plumbing.fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its "
                           "settings (only those listed under --resume in --help may change)")
@@ -828,21 +773,25 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_val
                                          f"{kept[0]!r}" if kept else "no checkpoint is complete yet")
 
 def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) -> None:
-    """The actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N; an earlier run's snapshots go now."""
+    """The actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N, after every --snapshot-every iterations
+    and the last (N counts them); an earlier run's snapshots go now."""
+    if not args.snapshot_every or (iteration % args.snapshot_every and iteration != args.num_iterations):
+        return
     snapshots = os.path.join(args.output_dir, "snapshots")
     if dist.get_rank() == 0:
         plumbing.remove_earlier_runs(snapshots, saved_by["run_name"], plumbing.read_record)
     plumbing.save_engine_folder(actor, tokenizer, os.path.join(snapshots, f"iteration_{iteration}"),
-                                {**saved_by, "iteration": iteration, "finished": False}, merged_state_dict)
+                                {**saved_by, "iteration": iteration, "finished": False}, plumbing.merged_state_dict)
 
 def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device):
     """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
-    that reads whole (checkpoint_problem); returns its iteration, its KL coefficient and this rank's last valid batch
-    (None from a checkpoint written before checkpoints kept it)."""
+    that reads whole (plumbing.checkpoint_problem); returns its iteration, its KL coefficient and this rank's last
+    valid batch (None from a checkpoint written before checkpoints kept it)."""
     is_main = dist.get_rank() == 0
     engines = {"actor": actor, "critic": critic, **({"actor_ema": ema} if ema is not None else {})}
     for resume_dir in checkpoints:
-        problem = checkpoint_problem(resume_dir, engines)
+        problem = "its state.json is missing or damaged" if read_state(resume_dir) is None else \
+            plumbing.checkpoint_problem(resume_dir, engines, frozen={"actor_ema"})
         if problem is None:
             break
         if is_main:
@@ -879,15 +828,10 @@ def start_logging(run: dict, start_iteration: int, args: Args):
             "args": asdict(args), "inputs": run["inputs"]})
     writer = plumbing.start_tensorboard(run["run_name"], args,
                                         purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
-    plumbing.continue_metrics_file(run["metrics_file"], start_iteration)
+    for path in [run["metrics_file"], os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl")]:
+        plumbing.continue_metrics_file(path, start_iteration)
     print(f"{args.num_iterations} iterations of {args.batch_size} episodes; logging to {writer.log_dir}")
     return writer, open(run["metrics_file"], "a")
-
-def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each value (a scalar tensor) summed over all ranks, in one all_reduce, in float64."""
-    summed = torch.stack([value.double() for value in values.values()])
-    dist.all_reduce(summed)
-    return dict(zip(values, summed.tolist()))
 
 def new_update_sums(device) -> dict[str, torch.Tensor]:
     """Sums over this rank's in-mask tokens of every micro-batch of an iteration's update, for the token means."""
@@ -918,7 +862,7 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
     valid, scores, clip = rollout["valid"], rollout["scores"], args.clip_score
     with torch.no_grad():
         valid_scores = torch.where(valid, scores, 0.0)
-        sums = sum_over_ranks({
+        sums = plumbing.sum_over_ranks({
             **update_sums,
             "responses": torch.tensor(float(len(valid)), device=scores.device), "valid": valid.sum(),
             "kl": rollout["kl"].sum(dim=1).sum(), "scores": valid_scores.sum(),
@@ -984,18 +928,44 @@ def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer
         Console().print(table)
 
 
+def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs, run: dict, args: Args,
+                   **columns: torch.Tensor) -> None:
+    """--trace-every: one response of this rank's batch, position by position, with the loop's own tensors (COLUMNS,
+    [B, R] each): printed, and appended to trace.jsonl beside metrics.jsonl. It is taken from the update's first
+    mini-batch, whose new log-probs (FIRST_LOGPROBS, NaN elsewhere) come before any optimizer step: the first response
+    that stopped with EOS before the length limit (--trace-response stopped) or was cut at it (cut), else the first.
+    Rank 0, every --trace-every iterations."""
+    if dist.get_rank() != 0 or not args.trace_every or iteration % args.trace_every:
+        return
+    mask = columns.pop("mask")
+    seen = first_logprobs.isfinite().any(dim=1)  # none when the update reused the last valid batch
+    pool = seen if seen.any() else torch.ones_like(seen)
+    stopped = responses[:, -1] == tokenizer.pad_token_id  # an EOS before the limit, then padding
+    wanted = pool & mask.bool().any(dim=1) & (stopped if args.trace_response == "stopped" else ~stopped)
+    row = int((wanted if wanted.any() else pool).int().argmax())
+    last = int(mask[row].nonzero().max()) if mask[row].any() else None  # where the score lands
+    lines = []
+    for t, token in enumerate(responses[row].tolist()):
+        line = {"iteration": iteration + 1, "row": row, "t": t, "token": tokenizer.decode([token]),
+                "mask": int(mask[row, t]), **{name: float(value[row, t]) for name, value in columns.items()},
+                "score": float(scores[row]) if t == last else None,
+                "new_logprob": float(first_logprobs[row, t]) if seen[row] else None}
+        line["ratio"] = math.exp(line["new_logprob"] - line["logprob"]) if seen[row] else None
+        lines.append(line)
+    print(f"iteration {iteration + 1}: response {row} of rank 0, position by position (--trace-every)")
+    names = list(lines[0])[2:]
+    print(" ".join(f"{name:>{14 if name == 'token' else 11}}" for name in names))
+    for line in lines:
+        print(" ".join(("-" if v is None else f"{v:.4f}" if isinstance(v, float) else repr(v)[:14] if isinstance(
+            v, str) else str(v)).rjust(14 if isinstance(v, str) else 11) for v in map(line.get, names)))
+    with open(os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl"), "a") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DeepSpeed-Chat's extras, each off by default and called from one place in the loop: LoRA, an EMA of the actor,
 # InstructGPT's pretraining mix, and on a GPU the hybrid engine and fp16 overflow alignment (docs/extras.md).
 # ---------------------------------------------------------------------------------------------------------------
-def hybrid_engine_config(args: Args) -> dict:
-    """DeepSpeed's hybrid engine (DeepSpeed-Chat, GPU only): during generation the actor runs on inference kernels,
-    with its own tensor parallelism and key-value cache; between eval() and train() DeepSpeed swaps them in and out."""
-    return {"enabled": True, "max_out_tokens": args.max_prompt_len + args.max_new_tokens,
-            "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
-            "pin_parameters": not args.unpin_actor_parameters,
-            "tp_gather_partition_size": args.tp_gather_partition_size}
-
 def add_lora(model, lora_dim: int, args: Args):
     """LoRA (Hu et al. 2021): beside each targeted linear layer W, a trainable low-rank update (alpha / r) B A, with
     B = 0 at the start so that the model is unchanged; peft builds the layers in place. The value head `score` stays
@@ -1012,29 +982,6 @@ def add_lora(model, lora_dim: int, args: Args):
         model.requires_grad_(True)  # DeepSpeed-Chat's default: the adapters train alongside the whole model
     return model
 
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """Switch a model's LoRA adapters off for a while (a model without adapters is unchanged): with
-    --only-optimize-lora the actor with its adapters off is the SFT model, so it serves as the reference."""
-    lora_layers = [m for m in model.modules() if isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer)]
-    for layer in lora_layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in lora_layers:
-            layer.enable_adapters(True)
-
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights as a plain model's state dict, each LoRA adapter folded into the layer it adapts:
-    W + (alpha / r) B A under W's own name (a model without adapters: its state dict as it is)."""
-    state = {name.replace(".base_layer.", "."): value for name, value in model.state_dict().items()
-                      if "lora_" not in name}
-    for name, module in model.named_modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight("default")
-    return state
-
 def init_ema(actor, args: Args):
     """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation only:
     frozen, ZeRO-3 when the actor is. A plain model (the actor's LoRA adapters are merged into it at every update),
@@ -1049,42 +996,25 @@ def init_ema(actor, args: Args):
 
 def update_ema(ema, actor, decay: float) -> None:
     """ema = decay * ema + (1 - decay) * actor for every weight (rlhf_math.ema_update), from the actor's fp32 master
-    weights, each LoRA adapter merged into the weight it adapts: W + (alpha / r) B A (the average of the merged
-    weights, not the product of averaged factors). Under ZeRO-3 the EMA's new value goes back to the ranks'
-    partitions (modifier_rank)."""
-    layers, params = dict(actor.module.named_modules()), dict(actor.module.named_parameters())
+    weights, each LoRA adapter merged into the weight it adapts (plumbing.merged_master_weight: the average of the
+    merged weights, not the product of averaged factors). Under ZeRO-3 the EMA's new value goes back to the ranks'
+    partitions (modifier_rank). Nothing without an EMA (None)."""
+    if ema is None:
+        return
     with torch.no_grad():
         for name, ema_param in ema.module.named_parameters():
-            layer_name, _, kind = name.rpartition(".")
-            layer = layers.get(layer_name)
-            if isinstance(layer, peft.tuners.lora.LoraLayer):
-                value = plumbing.master_weight(actor, getattr(layer.base_layer, kind))
-                if kind == "weight":
-                    delta = plumbing.master_weight(actor, layer.lora_B["default"].weight) @ \
-                        plumbing.master_weight(actor, layer.lora_A["default"].weight)
-                    value = value + layer.scaling["default"] * peft.utils.transpose(delta, layer.fan_in_fan_out)
-            else:
-                value = plumbing.master_weight(actor, params[name])
+            value = plumbing.merged_master_weight(actor, name)
             with deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0,
                                                    enabled=ema.zero_optimization_stage() == 3):
                 ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, value.to(ema_param.device), decay))
 
-def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor:
-    """The pretraining mix's plain text (InstructGPT's PPO-ptx), tokenized, joined with EOS between documents and cut
-    into blocks as long as a rollout's sequences, as DeepSpeed-Chat's unsupervised data set does: [blocks, P + R]."""
-    text_data = plumbing.load_split(args.unsup_dataset, "train", [args.unsup_text_column], "--unsup-dataset",
-                                    args.unsup_dataset_config, (".txt", ".json", ".jsonl", ".parquet"))
-    texts = [text for text in text_data[args.unsup_text_column] if isinstance(text, str) and text.strip()]
-    if not texts:
-        plumbing.fail(f"--unsup-dataset {args.unsup_dataset!r} holds no text, only blank lines or empty cells")
-    token_stream = [t for ids in tokenizer(texts, split_special_tokens=True)["input_ids"]
-                    for t in ids + [tokenizer.eos_token_id]]
-    block_len = args.max_prompt_len + args.max_new_tokens
-    num_blocks = len(token_stream) // block_len
-    if num_blocks < args.per_device_train_batch_size:
-        plumbing.fail(f"--unsup-dataset {args.unsup_dataset!r} holds {len(token_stream)} tokens, fewer than one "
-                      f"micro-batch of {args.per_device_train_batch_size} blocks of {block_len}; give it more text")
-    return torch.tensor(token_stream[: num_blocks * block_len]).view(num_blocks, block_len)
+def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor | None:
+    """The pretraining mix's plain text (InstructGPT's PPO-ptx), in blocks as long as a rollout's sequences, as
+    DeepSpeed-Chat's unsupervised data set: [blocks, P + R]; None without --unsup-dataset."""
+    if args.unsup_dataset is None:
+        return None
+    return plumbing.load_text_blocks(tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
+                                     args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
 
 def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict, iteration: int, args: Args):
     """The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain [log pi(x)], so the
@@ -1101,14 +1031,6 @@ def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict
     update_sums["unsup_loss"] += unsup_loss.detach()
     return args.unsup_coef * unsup_loss
 
-def found_overflow(engine) -> bool:
-    """Whether this accumulation's fp16 gradients hold inf or NaN, the way the engine's optimizer will see it in
-    step() (a collective call: every rank takes part). Private DeepSpeed attributes, as aligned_overflow."""
-    optimizer = engine.optimizer
-    if hasattr(optimizer, "overflow_checker"):  # ZeRO-0: FP16_Optimizer, FP16_UnfusedOptimizer
-        return optimizer.overflow_checker.check()
-    return optimizer.has_overflow(partition_gradients=getattr(optimizer, "partition_gradients", True))  # ZeRO 1-3
-
 @contextlib.contextmanager
 def aligned_overflow(actor, critic, enabled: bool):
     """--align-overflow (DeepSpeed-Chat's align_overflow), around the two engines' step() calls. In fp16 an optimizer
@@ -1124,7 +1046,7 @@ def aligned_overflow(actor, critic, enabled: bool):
     if not enabled or not actor.is_gradient_accumulation_boundary():
         yield
         return
-    actor_overflow, critic_overflow = found_overflow(actor), found_overflow(critic)
+    actor_overflow, critic_overflow = plumbing.found_overflow(actor), plumbing.found_overflow(critic)
     patched = []  # (object, method name): instance attributes that shadow the class's methods for this one step
     for engine, skip in [(actor, critic_overflow and not actor_overflow),
                          (critic, actor_overflow and not critic_overflow)]:
@@ -1171,7 +1093,7 @@ if __name__ == "__main__":
     if len(prompts) < args.batch_size:
         plumbing.fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
                       "raise --max-prompt-len or lower --per-device-rollout-batch-size")
-    unsup_blocks = load_pretraining_blocks(tokenizer, args) if args.unsup_dataset is not None else None
+    unsup_blocks = load_pretraining_blocks(tokenizer, args)
 
     torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
     actor, reference, critic, reward, ema = build_engines(args, critic_path)
@@ -1180,9 +1102,6 @@ if __name__ == "__main__":
     reward_mean, reward_std = score_normalization(reward.module.config)
     critic_mean, critic_std = score_normalization(critic.module.config)
     check_normalization(reward.module.config, run["inputs"]["--actor-model-name-or-path"], args)
-    if is_main and not hasattr(reward.module.config, "reward_std"):
-        print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
-              "are used unnormalized")
     generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     actor.module.generation_config = generation_config  # replaces the model's own, so that nothing else is applied
 
@@ -1191,7 +1110,7 @@ if __name__ == "__main__":
         start_iteration, kl_coef, last_valid_rollout = load_checkpoint(run["checkpoints"], actor, critic, ema, args,
                                                                        device)
     writer, metrics_file = start_logging(run, start_iteration, args) if is_main else (None, None)
-    # Under ZeRO-3, each model's weights are gathered once per rollout (gathered); the hybrid engine gathers its own.
+    # Under ZeRO-3, each model's weights are gathered once per rollout (plumbing.gathered); the hybrid engine its own.
     gather_actor = args.gather_weights_for_rollout and not args.enable_hybrid_engine
     micro_batch = args.per_device_train_batch_size  # rows per forward pass, in the rollout's scoring and the update
     start_time = time.time()
@@ -1207,7 +1126,7 @@ if __name__ == "__main__":
         rollout_start = time.time()
         with torch.no_grad():
             # 1. Generate: sample a response to every prompt from the current policy pi_theta.
-            with gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
+            with plumbing.gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
                 responses = sample_responses(actor, prompt_ids, prompt_mask, generation_config, gather_actor,
                                              iteration, start_iteration)
                 generation_time = time.time() - rollout_start
@@ -1221,15 +1140,16 @@ if __name__ == "__main__":
                 # log pi_ref(a_t|s_t) at the sampling temperature, and V(s_t) from the token before a_t.
                 logprobs = in_micro_batches(response_logprobs, micro_batch, actor.module, sequences, attention_mask,
                                             P, args.temperature)
-            with gathered(reference, args.gather_weights_for_rollout), adapters_disabled(reference.module):
+            with plumbing.gathered(reference, args.gather_weights_for_rollout), \
+                    plumbing.adapters_disabled(reference.module):
                 ref_logprobs = in_micro_batches(response_logprobs, micro_batch, reference.module, sequences,
                                                 attention_mask, P, args.temperature)
-            with gathered(critic, args.gather_weights_for_rollout):
+            with plumbing.gathered(critic, args.gather_weights_for_rollout):
                 values = in_micro_batches(critic_values, micro_batch, critic.module, sequences, attention_mask, P,
                                           critic_mean, critic_std)
             # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
             # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std, in the reward model's tokens.
-            with gathered(reward, args.gather_weights_for_rollout):
+            with plumbing.gathered(reward, args.gather_weights_for_rollout):
                 scores = in_micro_batches(reward_scores, micro_batch, reward.module, sequences, attention_mask, P,
                                           reward_mean, reward_std, tokenizer, reward_tokenizer)
             # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
@@ -1248,11 +1168,10 @@ if __name__ == "__main__":
             if args.whiten_rewards:
                 rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False,
                                                   stats=batch_mean_var(rewards, update_mask, args.whiten_across_ranks))
-            advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma,
-                                                                       args.lam)
-            if args.whiten_advantages:
-                advantages = rlhf_math.masked_whiten(
-                    advantages, update_mask, stats=batch_mean_var(advantages, update_mask, args.whiten_across_ranks))
+            gae_advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma,
+                                                                           args.lam)
+            advantages = rlhf_math.masked_whiten(gae_advantages, update_mask, stats=batch_mean_var(
+                gae_advantages, update_mask, args.whiten_across_ranks)) if args.whiten_advantages else gae_advantages
             rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
                            advantages=advantages, returns=returns, mask=update_mask)
             # The update's batch: this rollout, or if none of its responses is valid the last valid one (its own P).
@@ -1264,7 +1183,7 @@ if __name__ == "__main__":
         # UPDATE: num_ppo_epochs passes; each splits the batch into num_mini_batches optimizer steps of micro-batches.
         update_start = time.time()
         lr = actor.get_lr()[0]  # the rate of this iteration's first step
-        update_sums = new_update_sums(device)
+        update_sums, first_logprobs = new_update_sums(device), torch.full_like(logprobs, float("nan"))
         for epoch in range(args.num_ppo_epochs):
             mini_batches = torch.randperm(len(batch["mask"]), device=device).split(args.per_device_mini_batch_size)
             mini_batch_tokens = tokens_per_mini_batch(batch["mask"], mini_batches)
@@ -1284,6 +1203,8 @@ if __name__ == "__main__":
                         new_values, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
                     first_step = epoch == 0 and mini_batch_index == 0 and batch is rollout
                     check_update(new_logprobs, mb, pg_loss, vf_loss, first_step, iteration, args)
+                    if first_step:  # before any optimizer step: for --trace-every
+                        first_logprobs[micro_batch_rows] = new_logprobs.detach()
                     # Backward: each loss weighed by its micro-batch's share of the tokens; the actor's with PPO-ptx's
                     # gamma * language-modelling loss when --unsup-dataset is set.
                     weight = loss_weight(mb["mask"], mini_batch_tokens[mini_batch_index], args)
@@ -1294,8 +1215,7 @@ if __name__ == "__main__":
                         actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
                         critic.step()
                     add_update_sums(update_sums, new_logits, mb["mask"], pg_loss, vf_loss, pg_stats, vf_clipfrac, args)
-                if ema is not None:
-                    update_ema(ema, actor, args.ema_decay)  # after every actor optimizer step
+                update_ema(ema, actor, args.ema_decay)  # --enable-ema: after every actor optimizer step
         update_time = time.time() - update_start
 
         # LOGGING: TRL's metric names, each a mean over all ranks' responses or tokens (iteration_metrics).
@@ -1306,10 +1226,11 @@ if __name__ == "__main__":
         metrics = iteration_metrics(update_sums, rollout_stats, kl_coef, lr, iteration, times, args)
         if is_main:
             log_iteration(metrics, iteration, writer, metrics_file, tokenizer, (prompt_ids, responses, scores), args)
-        if args.target_kl is not None:  # Ziegler et al.'s adaptive KL controller
-            kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)
-        if args.snapshot_every and ((iteration + 1) % args.snapshot_every == 0 or iteration + 1 == args.num_iterations):
-            save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)
+        trace_response(iteration, tokenizer, responses, scores, first_logprobs, run, args, mask=update_mask,
+                       logprob=logprobs, ref_logprob=ref_logprobs, kl=kl, reward=rewards, value=values,
+                       advantage=gae_advantages, whitened=advantages, **{"return": returns})
+        kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)  # Ziegler et al.'s adaptive KL controller (--target-kl)
+        save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)  # with --snapshot-every
         if args.save_every and (iteration + 1) % args.save_every == 0:
             save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, last_valid_rollout, run["run_name"], args)
 
@@ -1318,7 +1239,7 @@ if __name__ == "__main__":
     for name, engine in [("actor", actor), ("critic", critic), ("actor_ema", ema)]:
         if engine is not None:
             plumbing.save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record,
-                                        merged_state_dict)
+                                        plumbing.merged_state_dict)
     if is_main:
         plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
                             {**plumbing.read_record(args.output_dir), "finished": True})

@@ -260,9 +260,11 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
         weights.write_bytes(weights.read_bytes()[:1000])
         done -= 2
 
+    # (--trace-every, which --resume may change, changes nothing the run computes: the metrics below stay the same.)
     result = run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name,
-                 "--resume", ranks=ranks)
+                 "--resume", "--trace-every", "1", ranks=ranks)
     assert f"resumed from {out / 'resume' / f'iteration_{done}'} at iteration {done}" in result.stdout
+    assert f"iteration {iterations}: response" in result.stdout and "position by position" in result.stdout
     if len(sigs) > 1:
         assert f"cannot resume from {out / 'resume' / f'iteration_{done + 2}'} (actor/model.safetensors" in result.stdout
     assert sorted(os.listdir(out / "resume")) == [f"iteration_{iterations - 2}", f"iteration_{iterations}", "latest"]
@@ -696,7 +698,7 @@ def check_ema(out, stages, metrics, decay):
     (1 - d) w, each LoRA adapter merged into its layer (the average of the merged weights, not the product of the
     averaged factors)."""
     assert all(math.isfinite(m["loss/unsup_avg"]) and m["loss/unsup_avg"] > 0 for m in metrics)
-    # Actor and reference, each gathered whole from its ZeRO-3 shards by ppo.gathered, start as the same model.
+    # Actor and reference, each gathered whole from its ZeRO-3 shards by plumbing.gathered, start as the same model.
     assert metrics[0]["objective/kl"] == 0.0
     history = [saved_weights(stages[1])] + [saved_weights(out / "snapshots" / f"iteration_{m['iteration']}")
                                             for m in metrics]
@@ -736,7 +738,7 @@ def test_lora_trains_only_the_adapters(stages, tmp_path):
 
 
 def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
-    """ppo.merged_state_dict folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
+    """plumbing.merged_state_dict folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
     the log-probs of the model with adapters."""
     tokenizer = AutoTokenizer.from_pretrained(stages[1])
     model = ppo.add_lora(AutoModelForCausalLM.from_pretrained(stages[1]), 4, ppo.Args())
@@ -754,10 +756,10 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
             return rlhf_math.logprobs_from_logits(m(**batch).logits[:, :-1], tokens)
 
     adapter_logprobs = logprobs(model)
-    with ppo.adapters_disabled(model):
+    with plumbing.adapters_disabled(model):
         assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
     plumbing.save_model_folder(model, tokenizer, str(tmp_path / "merged"), {"script": "ppo.py"},
-                               ppo.merged_state_dict(model))
+                               plumbing.merged_state_dict(model))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
@@ -900,7 +902,7 @@ for trained in (False, True):
     assert torch.equal(logits(model), before)  # after two forward passes DeepSpeed has traced the module order
     partitioned = [p for p in model.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     assert partitioned and coordinator.is_complete_trace()
-    with ppo.gathered(model, True):
+    with plumbing.gathered(model, True):
         assert all(p.ds_status == ZeroParamStatus.AVAILABLE and p.numel() == p.ds_numel
                    for p in model.module.parameters()), "not every weight is whole"
         inside = logits(model)
@@ -921,7 +923,7 @@ for trained in (False, True):
 
 
 def test_gathered_rollout_weights_are_whole_and_hooks_come_back(deepspeed_internals):
-    """ppo.gathered, which reaches into DeepSpeed's private ZeRO-3 hooks: inside it every weight of a frozen and of a
+    """plumbing.gathered, which reaches into DeepSpeed's private ZeRO-3 hooks: inside it every weight of a frozen and of a
     trained ZeRO-3 engine is whole and stays whole through a forward pass (no hook partitions it again), with the
     same outputs; after it the weights are back in their shards, the hooks are back and DeepSpeed still has the
     module order it traced (it would trace it again, without prefetching, if the hooks were registered anew), and an

@@ -11,6 +11,8 @@ together, weighs the same, or every micro-batch does), each AdamW step, and ever
 (swapped arguments, a lost factor, an ignored flag, a flipped sign) changes one of them.
 """
 
+import glob
+import json
 import runpy
 import shutil
 import sys
@@ -29,7 +31,8 @@ from test_ppo import read_metrics
 from test_sft_and_reward_model import run, run_in_process
 
 ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "returns", "mask"]  # ppo.py's rollout
-PER_ITERATION = ["P", "scores", "ref_logprobs", "rewards", "kl", "valid", "response_mask", "contains_eos", "kl_coef"]
+PER_ITERATION = ["P", "scores", "ref_logprobs", "rewards", "kl", "valid", "response_mask", "contains_eos", "kl_coef",
+                 "gae_advantages"]
 
 
 def install_recorder(set_attribute, path):
@@ -71,7 +74,7 @@ def install_recorder(set_attribute, path):
 
 def recorded_run(stages, out, flags, monkeypatch, ranks=None):
     """ppo.py with stages and flags, recorded: in this process, or on `ranks` ranks (this file as each rank's script).
-    Returns each rank's record, the metrics lines and the run's arguments."""
+    Returns each rank's record, the metrics lines and the run's arguments (and the trace's lines in args["trace"])."""
     argv = [*stages, *flags, "--output-dir", str(out), "--exp-name", f"test_{out.name}", "--sample-every", "0"]
     if ranks:
         run(__file__, *argv, ranks=ranks)
@@ -80,7 +83,8 @@ def recorded_run(stages, out, flags, monkeypatch, ranks=None):
         error = run_in_process("ppo.py", argv, must_stop=False)
         assert error is None, error
     records = [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(ranks or 1)]
-    return records, read_metrics(f"test_{out.name}"), plumbing.read_record(str(out))["args"]
+    trace = [json.loads(line) for path in glob.glob(f"runs/test_{out.name}__*/trace.jsonl") for line in open(path)]
+    return records, read_metrics(f"test_{out.name}"), {**plumbing.read_record(str(out))["args"], "trace": trace}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,7 +282,7 @@ def check_updates(records, metrics, models, args):
         if actor and block is not None:  # gamma * the language-modelling loss of the (one) block, once per step
             unsup_loss = model(input_ids=block, labels=block).loss
             (args["unsup_coef"] * unsup_loss).backward()
-            total["unsup"] += float(unsup_loss)
+            total["unsup"] += float(unsup_loss.detach())
         check_gradient(step["grads"], dict(model.named_parameters()), f"iteration {i}, step {k} ({step['model']})")
     for i, total in sums.items():
         ratios = torch.tensor(total["ratios"], dtype=torch.float64)
@@ -384,6 +388,42 @@ def check_run(records, metrics, out, stages, critic_path, args):
 # near the second iteration's (0.24), so that the controller's second step is not clipped. "reuse": micro-batch-mean
 # in 4 micro-batches, the second iteration's responses all made invalid, and --min-response-tokens at the length limit
 # (OFF_DEFAULTS), so that responses cut there are valid with exactly the minimum and those that stopped are not.
+def check_trace(records, args, tokenizer):
+    """--trace-every 1: each iteration's trace is one response of the batch, position by position, with the values
+    the loop computed (the recorded rollout's): the score on its last in-mask position only, rewards 0 after it,
+    returns = GAE advantages + values in the mask, and the new log-probs of the update's first mini-batch (ratio 1: no
+    step yet), none when the update reused the last valid batch. The response is the first valid one of that
+    mini-batch that stopped with EOS before the length limit (or was cut at it, with --trace-response cut)."""
+    for iteration, rollout in records[0]["rollouts"].items():
+        lines = [line for line in args["trace"] if line["iteration"] == iteration + 1]
+        row, responses = lines[0]["row"], rollout["sequences"][:, rollout["P"]:]
+        assert [line["t"] for line in lines] == list(range(responses.shape[1])) and {l["row"] for l in lines} == {row}
+        mask = rollout["mask"][row]
+        last = int(mask.nonzero().max()) if mask.any() else None
+        for t, line in enumerate(lines):
+            assert line["token"] == tokenizer.decode([int(responses[row, t])]) and line["mask"] == mask[t]
+            for name, tensor in [("logprob", rollout["logprobs"]), ("ref_logprob", rollout["ref_logprobs"]),
+                                 ("kl", rollout["kl"]), ("reward", rollout["rewards"]), ("value", rollout["values"]),
+                                 ("advantage", rollout["gae_advantages"]), ("whitened", rollout["advantages"]),
+                                 ("return", rollout["returns"])]:
+                assert line[name] == float(tensor[row, t]), (iteration, t, name)
+            assert line["score"] == (float(rollout["scores"][row]) if t == last else None), (iteration, t)
+            if last is not None and t > last:
+                assert line["reward"] == 0.0
+            if line["mask"]:  # (GAE leaves 0 where the mask is 0)
+                assert line["return"] == pytest.approx(line["advantage"] + line["value"], abs=1e-5)
+        first_step = next(s for s in records[0]["steps"] if s["iteration"] == iteration and s["model"] == "actor")
+        if first_step["batch"] != iteration:  # the update trained on an earlier batch
+            assert all(line["new_logprob"] is None and line["ratio"] is None for line in lines)
+            continue
+        first_rows = first_step["rows"].tolist()
+        stopped = responses[:, -1] == tokenizer.pad_token_id
+        wanted = [r for r in first_rows if rollout["mask"][r].any() and
+                  bool(stopped[r]) == (args["trace_response"] == "stopped")]
+        assert wanted and row == min(wanted), (iteration, row, first_rows)  # a response whose trace shows something
+        assert all(line["ratio"] == pytest.approx(1.0, abs=1e-5) for line in lines if line["mask"])
+
+
 ONE_RANK = {"adaptive": ["--loss-aggregation", "token-mean", "--per-device-train-batch-size", "2", "--total-episodes",
                          "24", "--max-new-tokens", "16", "--min-response-tokens", "12", "--actor-learning-rate",
                          "5e-4", "--target-kl", "0.25"],
@@ -410,7 +450,10 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     flags += ["--critic-model-name-or-path", critic_start, "--kl-estimator", "k3", "--whiten-rewards",
               "--missing-eos-penalty", "1.0", "--unsup-dataset", pretraining_text_file(tmp_path / "text.txt", length),
               "--unsup-coef", "0.5", "--enable-ema", "--ema-decay", "0.8"]
+    # (In "reuse" a valid response has --max-new-tokens real tokens: none stopped before the limit.)
+    flags += ["--trace-every", "1", "--trace-response", "stopped" if variant == "adaptive" else "cut"]
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
+    check_trace(records, args, AutoTokenizer.from_pretrained(stages[1]))
     assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens " \
         f"{args['max_new_tokens']} (measured with 24)." in capsys.readouterr().out
     real_tokens = torch.cat([r["response_mask"].sum(dim=1) - r["contains_eos"].long()
