@@ -166,10 +166,14 @@ class Args:
     """save the actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N every this many iterations and at
     the last (0: never), for evaluate.py's picture of reward-model and gold scores along training"""
     resume: bool = False
-    """continue the unfinished run in OUTPUT_DIR from its latest complete checkpoint (or, if that one is damaged, the
-    one before), with the settings it started with: a changed setting is refused, but for those that change how the
-    run is saved, logged or laid out in memory, not what it computes (ppo.RESUME_MAY_CHANGE: the ZeRO stages, offload,
-    gradient checkpointing, --save-every, ...); the model flags may name moved folders that hold the same models"""
+    """continue the unfinished run in OUTPUT_DIR from its latest complete checkpoint (or the one before, if that one is
+    damaged) with the settings it started with. A changed setting is refused, but for those that change how the run
+    is saved, logged or laid out in memory, not what it computes: --save-every, --sample-every, --snapshot-every,
+    --trace-every, --trace-response, --track, --wandb-project-name, --actor-zero-stage, --critic-zero-stage, --offload,
+    --offload-reference-model, --offload-reward-model, --gather-weights-for-rollout, --actor-gradient-checkpointing,
+    --critic-gradient-checkpointing, --release-inference-cache, --unpin-actor-parameters, --tp-gather-partition-size;
+    and --actor-model-name-or-path, --reward-model-name-or-path, --critic-model-name-or-path may name moved folders
+    that hold the same models"""
     overwrite: bool = False
     """write into a non-empty --output-dir that ppo.py did not write (files and folders of the names ppo.py writes are
     replaced, nothing else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they
@@ -672,17 +676,16 @@ def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints for --resume, and the saved models.
 # ---------------------------------------------------------------------------------------------------------------
-# Settings that --resume lets change (the `resume` flag's help points here): they change how the run is saved, logged
-# or laid out in memory, not what it computes. The runtime fields derive from the others and the number of ranks.
+# What --resume lets change (its help lists them): how the run is saved, logged or laid out in memory, not what it
+# computes; the models' folders, checked by content instead (plumbing.folder_identity); and the runtime fields.
 RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_every", "snapshot_every", "trace_every",
                      "trace_response", "track", "wandb_project_name", "actor_zero_stage", "critic_zero_stage",
                      "offload", "offload_reference_model", "offload_reward_model", "gather_weights_for_rollout",
-                     "actor_gradient_checkpointing",
-                     "critic_gradient_checkpointing", "release_inference_cache", "unpin_actor_parameters",
-                     "tp_gather_partition_size", "actor_model_name_or_path", "reward_model_name_or_path",
-                     "critic_model_name_or_path"]  # the models' folders: by their content (plumbing.folder_identity)
+                     "actor_gradient_checkpointing", "critic_gradient_checkpointing", "release_inference_cache",
+                     "unpin_actor_parameters", "tp_gather_partition_size", "actor_model_name_or_path",
+                     "reward_model_name_or_path", "critic_model_name_or_path"]
 RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gradient_accumulation_steps",
-                  "num_iterations"]  # Args' fields filled in at runtime
+                  "num_iterations"]
 
 def read_state(checkpoint: str) -> dict | None:
     """A checkpoint's state.json, or None if it does not read."""
@@ -930,11 +933,10 @@ def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer
 
 def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs, run: dict, args: Args,
                    **columns: torch.Tensor) -> None:
-    """--trace-every: one response of this rank's batch, position by position, with the loop's own tensors (COLUMNS,
-    [B, R] each): printed, and appended to trace.jsonl beside metrics.jsonl. It is taken from the update's first
-    mini-batch, whose new log-probs (FIRST_LOGPROBS, NaN elsewhere) come before any optimizer step: the first response
-    that stopped with EOS before the length limit (--trace-response stopped) or was cut at it (cut), else the first.
-    Rank 0, every --trace-every iterations."""
+    """--trace-every: on rank 0, one response of its batch position by position, with the loop's own tensors (COLUMNS,
+    [B, R] each), printed and appended to trace.jsonl beside metrics.jsonl. The first of the update's first mini-batch
+    (new log-probs FIRST_LOGPROBS before any optimizer step, NaN elsewhere) that stopped with EOS before the length
+    limit (--trace-response stopped) or was cut at it (cut), else the first."""
     if dist.get_rank() != 0 or not args.trace_every or iteration % args.trace_every:
         return
     mask = columns.pop("mask")
@@ -1009,12 +1011,10 @@ def update_ema(ema, actor, decay: float) -> None:
                 ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, value.to(ema_param.device), decay))
 
 def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor | None:
-    """The pretraining mix's plain text (InstructGPT's PPO-ptx), in blocks as long as a rollout's sequences, as
-    DeepSpeed-Chat's unsupervised data set: [blocks, P + R]; None without --unsup-dataset."""
-    if args.unsup_dataset is None:
-        return None
-    return plumbing.load_text_blocks(tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
-                                     args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
+    """PPO-ptx's text in blocks as long as a rollout's sequences: [blocks, P + R]; None without --unsup-dataset."""
+    return None if args.unsup_dataset is None else plumbing.load_text_blocks(
+        tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
+        args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
 
 def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict, iteration: int, args: Args):
     """The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain [log pi(x)], so the
