@@ -276,7 +276,7 @@ def check_updates(records, metrics, models, args):
                                                  std=critic.config.reward_std),
                         old_values=mb["values"], returns=mb["returns"], response_mask=mask,
                         cliprange_value=args["cliprange_value"])
-                    total["vf_loss"] += float(loss) * n
+                    total["vf_loss"] += float(loss.detach()) * n
                     total["vf_clipfrac"] += float(clipfrac) * n
                 (weight * loss).backward()
         if actor and block is not None:  # gamma * the language-modelling loss of the (one) block, once per step
