@@ -157,7 +157,7 @@ class Args:
     """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
     trace_every: CountInt = 0
     """print one response of the batch token by token, with every RL quantity of each position as the loop computed it
-    (docs/algorithm.md, "One response, token by token"), every this many iterations, and append it to
+    (docs/algorithm.md, "One response, position by position"), every this many iterations, and append it to
     runs/RUN_NAME/trace.jsonl (0: never)"""
     trace_response: Literal["stopped", "cut"] = "stopped"
     """the response --trace-every shows: the first that stopped with EOS before --max-new-tokens (its EOS and the
@@ -1203,7 +1203,7 @@ if __name__ == "__main__":
                         new_values, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
                     first_step = epoch == 0 and mini_batch_index == 0 and batch is rollout
                     check_update(new_logprobs, mb, pg_loss, vf_loss, first_step, iteration, args)
-                    if first_step:  # before any optimizer step: for --trace-every
+                    if first_step and args.trace_every:  # before any optimizer step, for the trace
                         first_logprobs[micro_batch_rows] = new_logprobs.detach()
                     # Backward: each loss weighed by its micro-batch's share of the tokens; the actor's with PPO-ptx's
                     # gamma * language-modelling loss when --unsup-dataset is set.
