@@ -1,18 +1,23 @@
 """Benchmark: ppo.py against the limit of its own model calls.
 
-For one shape, this script builds random-init models in a temporary folder and runs ppo.py on them for a few
-iterations after a warm-up, on one rank and then on 2 ranks at several actor ZeRO stages, in rounds that alternate
-each run of ppo.py with a run of the limit, each in a process of its own. The limit is the least work an iteration
-of ppo.py needs, done through ppo.py's own helpers on plain torch models (time_limit): one `generate` with the KV
-cache and the same stopping, the no-gradient forward passes of actor, reference, critic and reward in the same
-micro-batches, the rewards, GAE and whitening, and for each mini-batch the forward, backward, gradient clipping and
-fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no statistics, no logging and no learning-rate
-schedule: less work than ppo.py's iteration. Every iteration does the same work: generation runs to full length
-while any response is open, and a random model samples the EOS, one token in vocab_size + 1, too rarely to close all.
+For one shape, this script builds random-init models in a temporary folder and times ppo.py on them against the
+limit: the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models
+(time_limit): one `generate` with the KV cache and the same stopping, the no-gradient forward passes of actor,
+reference, critic and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch the
+forward, backward, gradient clipping and fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no
+statistics, no logging and no learning-rate schedule: less work than ppo.py's iteration. Every iteration does the
+same work: generation runs to full length while any response is open, and a random model samples the EOS, one token
+in vocab_size + 1, too rarely to close all.
+
+A shared CPU's speed drifts by tens of percent within seconds (other machines' work on the same host), so on one rank
+ppo.py and the limit run in two fresh processes that take turns, iteration by iteration, the one waiting frozen
+(SIGSTOP): each iteration of ppo.py is compared with the limit's iteration next to it in time (run_in_turns). On 2
+ranks, whole runs of ppo.py at each actor ZeRO stage alternate with runs of the limit.
 
     python benchmark.py                       # the default CPU shape (about 6 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
+    python benchmark.py --trl-python trl-venv/bin/python   # ppo.py against TRL 1.12's PPOTrainer, alternating
 
 Prints one table and writes it as JSON (--output-json) for comparison across commits.
 """
@@ -23,6 +28,7 @@ import functools
 import inspect
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,9 +97,8 @@ class Args:
     iterations: int = 10
     """iterations timed"""
     repeats: int = 5
-    """rounds: in each, every configuration's ppo.py and the limit run once, alternating, each in a process of its
-    own; the table shows the median over the rounds (on a small shared CPU one process's timings differ from
-    another's by up to 10%)"""
+    """rounds, each with fresh processes: on one rank, ppo.py and the limit taking turns (run_in_turns); on 2 ranks,
+    a run of ppo.py at each actor ZeRO stage, then one of the limit. The table shows medians over all rounds"""
     two_rank_stages: list[int] = field(default_factory=lambda: [0, 2, 3])
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""
     output_json: str = "benchmark.json"
@@ -103,6 +108,12 @@ class Args:
     and in the limit"""
     profile_zero_stage: int = 0
     """the actor's ZeRO stage in the profile"""
+    trl_python: str | None = None
+    """instead of the table: ppo.py against TRL 1.12's PPOTrainer (as shipped, and with its per-step garbage
+    collection taken out), alternating, on TRL's own models; the Python of a virtual environment with trl==1.12.0
+    (never a dependency of this project)"""
+    trl_script: str = "../shared/peers/trl_ppo_baseline.py"
+    """the script that builds TRL's models and times its PPOTrainer (--trl-python)"""
 
 
 def build_models(args: Args, folder: str) -> None:
@@ -155,14 +166,22 @@ def rank_env(ranks: int) -> dict:
 
 
 def settings(args: Args) -> str:
-    """The shape and precision, and the process state that decides a CPU's speed (threads per rank): a drift in the
-    figures is read here first."""
+    """The shape and precision, and the state that decides a CPU's speed (threads per rank, the machine's load): a
+    drift in the figures is read here first."""
     threads = {ranks: rank_env(ranks).get("OMP_NUM_THREADS", "unset") for ranks in (1, 2)}
     return (f"shape: {args.episodes} episodes of {args.prompt_len} + {args.response_len} tokens, {args.num_layers} "
             f"layers of width {args.hidden_size} ({args.num_heads} heads, MLP {args.intermediate_size}), vocabulary "
             f"{args.vocab_size}, {args.dtype}; on {get_accelerator().device_name()} with {os.cpu_count()} CPU cores, "
             f"this process {torch.get_num_threads()} torch threads, OMP_NUM_THREADS for 1 rank {threads[1]}, "
-            f"for each of 2 ranks {threads[2]}")
+            f"for each of 2 ranks {threads[2]}; load average {os.getloadavg()[0]:.2f} (1 minute)")
+
+
+def process_state() -> str:
+    """What decides the speed of this process's tensor work on a CPU: torch's intra-op threads, the OpenMP and MKL
+    settings of the environment, and the OS threads alive (threads that wake often take cores from OpenMP's)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
+    return (f"torch threads {torch.get_num_threads()}, OpenMP/MKL environment {env or 'none'}, "
+            f"OS threads {len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'}")
 
 
 def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
@@ -179,13 +198,14 @@ def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
     _, status, rusage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"benchmark.py: ppo.py failed ({' '.join(command)}):\n{output[-3000:]}")
-    run_dirs = sorted(d for d in os.listdir("runs") if d.startswith(exp_name + "__"))
-    with open(os.path.join("runs", run_dirs[-1], "metrics.jsonl")) as f:
-        timed = [json.loads(line) for line in f][args.warmup_iterations:]
+    return {**summary(args, metrics_of_run(exp_name)[args.warmup_iterations:]), "peak_rss_gb": rusage.ru_maxrss / 2**20}
+
+
+def summary(args: Args, timed: list[dict]) -> dict:
+    """The median times of ppo.py's timed iterations (its metrics) and rank 0's peak accelerator memory."""
     if any(m["val/response_length"] < 0.9 * args.response_len for m in timed):  # a random model rarely samples EOS
         raise SystemExit("benchmark.py: responses stopped early; the timings would not compare")
     result = {name: statistics.median(m[f"time/{name}"] for m in timed) for name in ["rollout", "generation", "update"]}
-    result["peak_rss_gb"] = rusage.ru_maxrss / 2**20
     for name in ["max_allocated_gb", "max_reserved_gb"]:  # rank 0's accelerator memory, as ppo.py logs it
         result[name] = max(m[f"memory/{name}"] for m in timed)
     return result
@@ -228,11 +248,12 @@ def phase_timer(synchronize: bool):
     return totals, phase
 
 
-def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> dict:
+def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
     """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings, timed: the same
     model calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math
     of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW. Run it in a process
-    with the environment of such a rank (time_limit_in_own_process)."""
+    with the environment of such a rank (in_own_process). turn(iteration), if given, is called before each
+    iteration, outside its time."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     defaults = ppo.Args()
@@ -313,27 +334,131 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False) -> di
     totals, phase = phase_timer(synchronize=profile and device.type == "cuda")
     if not profile:
         phase = lambda name: contextlib.nullcontext()  # noqa: E731
-    for _ in range(args.warmup_iterations):
-        one_iteration(phase)
-    totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
-    timed = [one_iteration(phase) for _ in range(args.iterations)]
+    timed = []
+    for iteration in range(args.warmup_iterations + args.iterations):
+        if turn is not None:
+            turn(iteration)
+        if iteration == args.warmup_iterations:
+            totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
+        times = one_iteration(phase)
+        if iteration >= args.warmup_iterations:
+            timed.append(times)
     limit = {name: statistics.median(t[name] for t in timed) for name in ["rollout", "update"]}
     limit["phases"] = {name: total / args.iterations for name, total in totals.items()}
     limit["mean_iteration"] = statistics.mean(t["rollout"] + t["update"] for t in timed)
+    limit["timed"] = timed
     return limit
 
 
+def in_own_process(function: str, args: Args, arguments: list, env: dict, output, pass_fds=()) -> subprocess.Popen:
+    """benchmark.FUNCTION(args, *arguments) started in a new Python process with env, as ppo.py's runs are (a plain
+    `python`, not a multiprocessing child), its output to the file `output`; it prints JSON on its last line."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import benchmark; "
+            "getattr(benchmark, sys.argv[2])(benchmark.Args(**json.loads(sys.argv[3])), *json.loads(sys.argv[4]))")
+    return subprocess.Popen([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), function,
+                             json.dumps(asdict(args)), json.dumps(arguments)], env=env, stdout=output,
+                            stderr=subprocess.STDOUT, text=True, pass_fds=pass_fds)
+
+
+def last_json_line(output, what: str) -> dict:
+    """The JSON a process of in_own_process printed last, from its output file."""
+    output.seek(0)
+    text = output.read()
+    try:
+        return json.loads(text.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SystemExit(f"benchmark.py: {what} failed:\n{text[-3000:]}") from None
+
+
+def run_limit(args: Args, folder: str, ranks: int, turns: list[int] | None = None) -> None:
+    """time_limit, printed as JSON with this process's state; with turns (run_in_turns), one iteration per turn."""
+    turn = None if turns is None else lambda iteration: wait_for_turn(turns, iteration)
+    print(json.dumps({**time_limit(args, folder, ranks, turn=turn), "state": process_state()}))
+
+
 def time_limit_in_own_process(args: Args, folder: str, ranks: int) -> dict:
-    """time_limit in a new Python process with the environment of one of `ranks` ranks, started as ppo.py's runs
-    are (a plain `python`, not a multiprocessing child)."""
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import benchmark; print(json.dumps(benchmark.time_limit("
-            "benchmark.Args(**json.loads(sys.argv[2])), sys.argv[3], int(sys.argv[4]))))")
-    result = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
-                             json.dumps(asdict(args)), folder, str(ranks)], env=rank_env(ranks), capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark.py: the limit failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.splitlines()[-1])
+    """time_limit in a new Python process with the environment of one of `ranks` ranks."""
+    with tempfile.TemporaryFile("w+") as output:
+        process = in_own_process("run_limit", args, [folder, ranks], rank_env(ranks), output)
+        process.wait()
+        return last_json_line(output, "the limit")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Turns: on one rank, ppo.py and the limit in two fresh processes, one iteration each in turn, the other frozen.
+# ---------------------------------------------------------------------------------------------------------------
+def wait_for_turn(turns: list[int], iteration: int) -> None:
+    """In a process of run_in_turns, before each iteration: say that the last one is done, wait for this one's turn.
+    turns: the file descriptors (read, write) of the process's two pipes to the benchmark."""
+    if iteration > 0:
+        os.write(turns[1], b"d")
+    if os.read(turns[0], 1) != b"g":  # the benchmark stopped
+        os._exit(1)
+
+
+def ppo_in_turns(args: Args, folder: str, exp_name: str, turns: list[int]) -> None:
+    """ppo.py's main block in this fresh process (exec_ppo_main), one rank at ZeRO-0, one iteration per turn: the
+    wait comes where an iteration starts, before its prompts, outside ppo.py's own timings."""
+    prompts_of_iteration = ppo.prompts_of_iteration
+
+    def in_turn(prompts, iteration, *a, **k):
+        wait_for_turn(turns, iteration)
+        return prompts_of_iteration(prompts, iteration, *a, **k)
+
+    exec_ppo_main(ppo_flags(args, folder, 1, 0, exp_name, args.warmup_iterations + args.iterations),
+                  {(ppo, "prompts_of_iteration"): in_turn})
+    print(json.dumps({"state": process_state()}))
+
+
+def run_in_turns(args: Args, folder: str) -> tuple[list[dict], list[dict], dict]:
+    """One round on one rank: ppo.py (ppo_in_turns) and the limit (run_limit) in two fresh processes that take turns,
+    one iteration each, ppo.py first in even iterations and the limit first in odd ones. The one waiting is frozen
+    (SIGSTOP), so that nothing of it (its spinning OpenMP workers, its threads) runs in the other's turn. Returns
+    ppo.py's timed iterations (its metrics), the limit's, and the processes' state and ppo.py's peak RSS."""
+    exp_name, iterations = "benchmark_1rank_zero0", args.warmup_iterations + args.iterations
+    sides = {}
+    for name, function, arguments in [("ppo.py", "ppo_in_turns", [folder, exp_name]), ("limit", "run_limit", [folder, 1])]:
+        go_read, go_write = os.pipe()
+        done_read, done_write = os.pipe()
+        output = tempfile.TemporaryFile("w+")
+        process = in_own_process(function, args, [*arguments, [go_read, done_write]], rank_env(1), output,
+                                 pass_fds=(go_read, done_write))
+        os.close(go_read), os.close(done_write)
+        sides[name] = (process, go_write, done_read, output)
+    try:
+        for iteration in range(iterations):
+            for name in list(sides) if iteration % 2 == 0 else list(sides)[::-1]:
+                process, go, done, output = sides[name]
+                os.kill(process.pid, signal.SIGCONT)
+                os.write(go, b"g")
+                if os.read(done, 1) != b"d":  # the end of its output: the process ended
+                    if iteration < iterations - 1:
+                        process.wait()
+                        last_json_line(output, name)  # its error
+                    continue
+                os.kill(process.pid, signal.SIGSTOP)
+        # wait4 gives the rusage of the finished process: ru_maxrss is its peak, in KiB.
+        _, status, rusage = os.wait4(sides["ppo.py"][0].pid, 0)
+        sides["limit"][0].wait()
+        if os.waitstatus_to_exitcode(status) != 0:
+            last_json_line(sides["ppo.py"][3], "ppo.py")
+        states = {name: last_json_line(output, name)["state"] for name, (_, _, _, output) in sides.items()}
+        limit_result = last_json_line(sides["limit"][3], "the limit")
+    finally:
+        for process, go, done, output in sides.values():
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+                process.kill()
+            os.close(go), os.close(done), output.close()
+    return metrics_of_run(exp_name)[args.warmup_iterations:], limit_result["timed"], \
+        {"state": states, "peak_rss_gb": rusage.ru_maxrss / 2**20}
+
+
+def metrics_of_run(exp_name: str) -> list[dict]:
+    """The metrics of the newest run of ppo.py named exp_name."""
+    run_dirs = sorted(d for d in os.listdir("runs") if d.startswith(exp_name + "__"))
+    with open(os.path.join("runs", run_dirs[-1], "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def profile_ppo(args: Args, folder: str) -> dict:
@@ -392,22 +517,93 @@ def profile_ppo(args: Args, folder: str) -> dict:
                 return function(*a, **k)
         return wrapper
 
-    originals = {key: getattr(*key) for key in phase_of}
-    main = ast.parse(inspect.getsource(ppo)).body[-1]  # if __name__ == "__main__": its body, run as ppo.py runs it
     iterations = args.warmup_iterations + args.iterations + 1  # the last one only ends the timed ones
-    argv, sys.argv = sys.argv, ["ppo.py", *ppo_flags(args, folder, 1, args.profile_zero_stage, "benchmark_profile",
-                                                 iterations)]
+    exec_ppo_main(ppo_flags(args, folder, 1, args.profile_zero_stage, "benchmark_profile", iterations),
+                  {key: timed(getattr(*key), name_of) for key, name_of in phase_of.items()})
+    first, last = starts[args.warmup_iterations], starts[args.warmup_iterations + args.iterations]
+    return {"phases": {name: total / args.iterations for name, total in timed_totals.items()},
+            "mean_iteration": (last - first) / args.iterations}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against TRL 1.12's PPOTrainer (--trl-python): TRL's own script builds its models and times its trainer; ppo.py runs
+# on the same models, prompts and settings. TRL stays in its own virtual environment.
+# ---------------------------------------------------------------------------------------------------------------
+def run_trl(args: Args, work_dir: str, iterations: int, gc_freeze: bool) -> float:
+    """TRL's episodes per second (its script's own figure: the batch over the mean time of an iteration after the
+    first), running in --trl-python."""
+    command = [args.trl_python, args.trl_script, "--work-dir", work_dir, "--iterations", str(iterations), "--quiet",
+               "--batch-size", str(args.episodes), "--prompt-length", str(args.prompt_len), "--response-length",
+               str(args.response_len), "--vocab-size", str(args.vocab_size), "--hidden-size", str(args.hidden_size),
+               "--num-layers", str(args.num_layers), "--num-heads", str(args.num_heads), "--intermediate-size",
+               str(args.intermediate_size), "--ppo-epochs", str(args.num_ppo_epochs), "--mini-batches",
+               str(args.num_mini_batches), *(["--gc-freeze"] if gc_freeze else [])]
+    result = subprocess.run(command, env=rank_env(1), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark.py: TRL failed ({' '.join(command)}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["episodes_per_second"]
+
+
+def run_ppo_on_trl_models(args: Args, work_dir: str, iterations: int) -> float:
+    """ppo.py on TRL's models (policy, reward model, value model as the critic) and prompts, with TRL's settings
+    where ppo.py's defaults differ (temperature, KL coefficient, learning rates), one rank, in its own process.
+    Its episodes per second as TRL's script counts them: the batch over the mean time of an iteration after the
+    first (from ppo.py's eps, episodes over the time since the loop started, logged after each iteration)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(work_dir, "tokenizer"))
+    with open(os.path.join(work_dir, "prompts.jsonl")) as f, \
+            open(os.path.join(work_dir, "prompts_text.jsonl"), "w") as out:
+        for line in f:
+            out.write(json.dumps({"prompt": tokenizer.decode(json.loads(line)["input_ids"])}) + "\n")
+    exp_name = "benchmark_on_trl_models"
+    command = [sys.executable, "ppo.py", *ppo_flags(args, work_dir, 1, 0, exp_name, iterations),
+               "--actor-model-name-or-path", os.path.join(work_dir, "policy"),
+               "--reward-model-name-or-path", os.path.join(work_dir, "reward_model"),
+               "--critic-model-name-or-path", os.path.join(work_dir, "value_model"),
+               "--dataset", os.path.join(work_dir, "prompts_text.jsonl"), "--temperature", "0.7", "--kl-coef", "0.05",
+               "--actor-learning-rate", "3e-6", "--critic-learning-rate", "3e-6"]
+    result = subprocess.run(command, env=rank_env(1), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark.py: ppo.py failed ({' '.join(command)}):\n{(result.stdout + result.stderr)[-3000:]}")
+    metrics = metrics_of_run(exp_name)
+    ends = [m["episode"] / m["eps"] for m in metrics]  # seconds since the loop started, at each iteration's end
+    return args.episodes / ((ends[-1] - ends[0]) / (len(ends) - 1))
+
+
+def against_trl(args: Args, iterations: int = 12) -> None:
+    """Rounds of TRL as shipped, TRL without its per-step garbage collection (its script's --gc-freeze), and ppo.py,
+    each in a fresh process, the order turning each round; prints each run's episodes per second and the medians."""
+    runs = {"TRL as shipped": [], "TRL, gc.freeze()": [], "ppo.py": []}
+    with tempfile.TemporaryDirectory() as work_dir:
+        run_trl(args, work_dir, 1, False)  # builds TRL's models and prompts in work_dir
+        print("| round | " + " | ".join(runs) + " |\n|---|---|---|---|", flush=True)
+        for round_number in range(1, args.repeats + 1):
+            order = list(runs)[round_number % 3:] + list(runs)[:round_number % 3]
+            for name in order:
+                runs[name].append(run_ppo_on_trl_models(args, work_dir, iterations) if name == "ppo.py" else
+                                  run_trl(args, work_dir, iterations, gc_freeze=name != "TRL as shipped"))
+            print(f"| {round_number} | " + " | ".join(f"{runs[name][-1]:.1f}" for name in runs) + " |", flush=True)
+    median = {name: statistics.median(eps) for name, eps in runs.items()}
+    print("| median | " + " | ".join(f"{median[name]:.1f}" for name in runs) + " |")
+    print(f"\nepisodes per second, {iterations} iterations of {args.episodes} episodes per run: ppo.py / TRL as "
+          f"shipped {median['ppo.py'] / median['TRL as shipped']:.2f}, ppo.py / TRL without its garbage collection "
+          f"{median['ppo.py'] / median['TRL, gc.freeze()']:.2f}")
+
+
+def exec_ppo_main(flags: list[str], replacements: dict) -> None:
+    """ppo.py's main block run in this process as `python ppo.py FLAGS` runs it, with functions replaced while it
+    runs: (owner, name) -> the function that stands in."""
+    originals = {key: getattr(*key) for key in replacements}
+    main = ast.parse(inspect.getsource(ppo)).body[-1]  # if __name__ == "__main__": its body
+    argv, sys.argv = sys.argv, ["ppo.py", *flags]
     try:
-        for (owner, name), name_of in phase_of.items():
-            setattr(owner, name, timed(originals[(owner, name)], name_of))
+        for (owner, name), function in replacements.items():
+            setattr(owner, name, function)
         exec(compile(ast.Module(body=main.body, type_ignores=[]), ppo.__file__, "exec"), vars(ppo))
     finally:
         sys.argv = argv
         for (owner, name), function in originals.items():
             setattr(owner, name, function)
-    first, last = starts[args.warmup_iterations], starts[args.warmup_iterations + args.iterations]
-    return {"phases": {name: total / args.iterations for name, total in timed_totals.items()},
-            "mean_iteration": (last - first) / args.iterations}
 
 
 def print_profile(ppo_profile: dict, limit: dict) -> None:
@@ -420,6 +616,21 @@ def print_profile(ppo_profile: dict, limit: dict) -> None:
     rows.append(("iteration", ppo_profile["mean_iteration"], limit["mean_iteration"]))
     for name, ours, limit_s in rows:
         print(f"| {name} | {ours:.4f} | {limit_s:.4f} | {ours - limit_s:+.4f} |")
+
+
+def table_row(args: Args, config: str, measured: dict, limit: dict, ratios: dict | None = None) -> dict:
+    """One configuration's row: ppo.py's median times (summary), the limit's, their ratios (by default the ratio of
+    the medians), throughput and memory."""
+    iteration, limit_iteration = measured["rollout"] + measured["update"], limit["rollout"] + limit["update"]
+    ratios = ratios or {"rollout": measured["rollout"] / limit["rollout"], "update": measured["update"] / limit["update"],
+                        "iteration": iteration / limit_iteration}
+    return {"config": config, "rollout_s": measured["rollout"], "rollout_limit_s": limit["rollout"],
+            "update_s": measured["update"], "update_limit_s": limit["update"], "iteration_s": iteration,
+            "iteration_limit_s": limit_iteration, **{f"{key}_ratio": value for key, value in ratios.items()},
+            "generation_share": measured["generation"] / iteration, "episodes_per_s": args.episodes / iteration,
+            "generated_tokens_per_s": args.episodes * args.response_len / measured["generation"],
+            "peak_rss_gb": measured["peak_rss_gb"], "gpu_max_allocated_gb": measured["max_allocated_gb"],
+            "gpu_max_reserved_gb": measured["max_reserved_gb"]}
 
 
 def tensor_bytes(tensors) -> int:
@@ -468,43 +679,45 @@ if __name__ == "__main__":
                 setattr(args, key, value)
     os.makedirs("runs", exist_ok=True)
     print(settings(args), flush=True)
+    if args.trl_python:
+        against_trl(args)
+        raise SystemExit(0)
     if args.profile:
         with tempfile.TemporaryDirectory() as folder:
             build_models(args, folder)
             ppo_profile = profile_ppo(args, folder)
             print_profile(ppo_profile, time_limit(args, folder, 1, profile=True))
         raise SystemExit(0)
-    rows = []
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
-        configs = {1: [0], 2: args.two_rank_stages}
-        runs = {(ranks, stage): [] for ranks, stages in configs.items() for stage in stages}
-        limits = {ranks: [] for ranks, stages in configs.items() if stages}
+        one_rank, states, two_ranks, limits = [], [], {stage: [] for stage in args.two_rank_stages}, []
         for round_number in range(1, args.repeats + 1):
-            for ranks in limits:
-                for stage in configs[ranks]:
-                    print(f"round {round_number}/{args.repeats}: ppo.py, {ranks} rank(s), actor ZeRO-{stage} ...",
-                          flush=True)
-                    runs[(ranks, stage)].append(run_ppo(args, folder, ranks, stage))
-                print(f"round {round_number}/{args.repeats}: the limit, the work of one of {ranks} rank(s) ...",
-                      flush=True)
-                limits[ranks].append(time_limit_in_own_process(args, folder, ranks))
-        for (ranks, stage), measured_runs in runs.items():
+            print(f"round {round_number}/{args.repeats}: ppo.py and the limit on 1 rank, taking turns ...", flush=True)
+            ppo_timed, limit_timed, state = run_in_turns(args, folder)
+            one_rank.append((ppo_timed, limit_timed, state["peak_rss_gb"]))
+            states.append(state["state"])
+            for stage in args.two_rank_stages:
+                print(f"round {round_number}/{args.repeats}: ppo.py, 2 ranks, actor ZeRO-{stage} ...", flush=True)
+                two_ranks[stage].append(run_ppo(args, folder, 2, stage))
+            if args.two_rank_stages:
+                print(f"round {round_number}/{args.repeats}: the limit, the work of one of 2 ranks ...", flush=True)
+                limits.append(time_limit_in_own_process(args, folder, 2))
+        # One rank: each iteration of ppo.py against the limit's next to it in time, the median of those ratios.
+        pairs = [(m, l) for ppo_timed, limit_timed, _ in one_rank for m, l in zip(ppo_timed, limit_timed)]
+        measured = {**summary(args, [m for m, _ in pairs]), "peak_rss_gb": max(rss for _, _, rss in one_rank)}
+        limit = {key: statistics.median(l[key] for _, l in pairs) for key in ["rollout", "update"]}
+        ratios = {key: statistics.median(m[f"time/{key}"] / l[key] for m, l in pairs) for key in ["rollout", "update"]}
+        ratios["iteration"] = statistics.median((m["time/rollout"] + m["time/update"]) / (l["rollout"] + l["update"])
+                                                for m, l in pairs)
+        rows = [table_row(args, "1 rank, actor ZeRO-0", measured, limit, ratios)]
+        # 2 ranks: medians over whole runs, ppo.py's against the limit's.
+        for stage, measured_runs in two_ranks.items():
             measured = {key: statistics.median(m[key] for m in measured_runs) for key in measured_runs[0]}
-            limit = {key: statistics.median(m[key] for m in limits[ranks]) for key in ["rollout", "update"]}
-            iteration = measured["rollout"] + measured["update"]
-            rows.append({
-                "config": f"{ranks} rank{'s' if ranks > 1 else ''}, actor ZeRO-{stage}",
-                "rollout_s": measured["rollout"], "rollout_limit_s": limit["rollout"],
-                "update_s": measured["update"], "update_limit_s": limit["update"],
-                "iteration_s": iteration, "iteration_limit_s": limit["rollout"] + limit["update"],
-                "generation_share": measured["generation"] / iteration,
-                "episodes_per_s": args.episodes / iteration,
-                "generated_tokens_per_s": args.episodes * args.response_len / measured["generation"],
-                "peak_rss_gb": measured["peak_rss_gb"],
-                "gpu_max_allocated_gb": measured["max_allocated_gb"], "gpu_max_reserved_gb": measured["max_reserved_gb"],
-            })
+            limit = {key: statistics.median(m[key] for m in limits) for key in ["rollout", "update"]}
+            rows.append(table_row(args, f"2 ranks, actor ZeRO-{stage}", measured, limit))
 
+        print("the profile: ppo.py's main block and the limit in this process, phase by phase ...", flush=True)
+        ppo_profile, limit_profile = profile_ppo(args, folder), time_limit(args, folder, 1, profile=True)
         memory = model_memory(args, folder)
 
     on_gpu = torch.cuda.is_available()
@@ -513,11 +726,15 @@ if __name__ == "__main__":
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         gpu = f" {r['gpu_max_allocated_gb']:.2f} / {r['gpu_max_reserved_gb']:.2f} |" if on_gpu else ""
-        print(f"| {r['config']} | {r['rollout_s']:.3f} ({r['rollout_limit_s']:.3f}, "
-              f"{r['rollout_s'] / r['rollout_limit_s']:.2f}) "
-              f"| {r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_s'] / r['update_limit_s']:.2f}) "
-              f"| {r['iteration_s']:.3f} ({r['iteration_s'] / r['iteration_limit_s']:.2f}) | {r['episodes_per_s']:.1f} "
+        print(f"| {r['config']} | {r['rollout_s']:.3f} ({r['rollout_limit_s']:.3f}, {r['rollout_ratio']:.2f}) "
+              f"| {r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_ratio']:.2f}) "
+              f"| {r['iteration_s']:.3f} ({r['iteration_ratio']:.2f}) | {r['episodes_per_s']:.1f} "
               f"| {r['generated_tokens_per_s']:.0f} | {r['generation_share']:.0%} | {r['peak_rss_gb']:.2f} |" + gpu)
+    print(f"\nOn 1 rank each ratio is the median over {len(pairs)} pairs of an iteration of ppo.py and the limit's next "
+          f"to it in time. Process state, round 1: ppo.py {states[0]['ppo.py']}; the limit {states[0]['limit']}; "
+          f"load average now {os.getloadavg()[0]:.2f} (1 minute).")
+    print("\nWhere the time of an iteration goes, in one process (--profile):")
+    print_profile(ppo_profile, limit_profile)
     print("\n| model (one rank, ZeRO-0, fp32) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
     for m in memory:
         print(f"| {m['model']} | {m['parameters_mb']:.2f} | {m['gradients_mb']:.2f} | {m['optimizer_state_mb']:.2f} |")
@@ -532,5 +749,7 @@ if __name__ == "__main__":
                   f"iteration {r['iteration_s'] / zero0['iteration_s']:.2f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
-        json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory}, f, indent=2)
+        json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory, "state": states,
+                   "pairs": [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"]) for m, l in pairs],
+                   "profile": {"ppo.py": ppo_profile, "limit": limit_profile}}, f, indent=2)
     print(f"wrote {args.output_json}")

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -660,11 +661,18 @@ def test_benchmark(tmp_path):
     small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
              "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
     output = tmp_path / "benchmark.json"
-    run("benchmark.py", *small, "--warmup-iterations", "0", "--iterations", "1", "--repeats", "1",
-        "--two-rank-stages", "3", "--output-json", str(output))
+    table = run("benchmark.py", *small, "--warmup-iterations", "1", "--iterations", "2", "--repeats", "1",
+                "--two-rank-stages", "3", "--output-json", str(output)).stdout
     result = json.loads(output.read_text())
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0", "2 ranks, actor ZeRO-3"]
     assert all(r["rollout_s"] > 0 and r["rollout_limit_s"] > 0 and r["update_limit_s"] > 0 for r in result["rows"])
+    # One rank: ppo.py and the limit took turns, one iteration each; each ratio is a median of paired iterations.
+    assert "each ratio is the median over 2 pairs of an iteration of ppo.py and the limit's" in table
+    assert len(result["pairs"]) == 2 and result["rows"][0]["iteration_ratio"] == statistics.median(
+        ppo_s / limit_s for ppo_s, limit_s in result["pairs"])
+    for side in ["ppo.py", "limit"]:  # the process state beside the table: threads and OpenMP settings
+        assert "torch threads 1, OpenMP/MKL environment {'OMP_NUM_THREADS': '1'" in result["state"][0][side], result
+    assert set(result["profile"]["ppo.py"]["phases"]) == set(benchmark.PHASES) and "| phase |" in table
     memory = {m["model"]: m for m in result["memory"]}
     for frozen in ["reference", "reward"]:
         assert memory[frozen]["gradients_mb"] == 0 and memory[frozen]["optimizer_state_mb"] == 0
