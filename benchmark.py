@@ -442,16 +442,15 @@ def run_in_turns(args: Args, folder: str) -> tuple[list[dict], list[dict], dict]
         sides["limit"][0].wait()
         if os.waitstatus_to_exitcode(status) != 0:
             last_json_line(sides["ppo.py"][3], "ppo.py")
-        states = {name: last_json_line(output, name)["state"] for name, (_, _, _, output) in sides.items()}
-        limit_result = last_json_line(sides["limit"][3], "the limit")
+        results = {name: last_json_line(output, name) for name, (_, _, _, output) in sides.items()}
     finally:
         for process, go, done, output in sides.values():
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
             os.close(go), os.close(done), output.close()
-    return metrics_of_run(exp_name)[args.warmup_iterations:], limit_result["timed"], \
-        {"state": states, "peak_rss_gb": rusage.ru_maxrss / 2**20}
+    return metrics_of_run(exp_name)[args.warmup_iterations:], results["limit"]["timed"], \
+        {"state": {name: result["state"] for name, result in results.items()}, "peak_rss_gb": rusage.ru_maxrss / 2**20}
 
 
 def metrics_of_run(exp_name: str) -> list[dict]:
@@ -529,6 +528,14 @@ def profile_ppo(args: Args, folder: str) -> dict:
 # Against TRL 1.12's PPOTrainer (--trl-python): TRL's own script builds its models and times its trainer; ppo.py runs
 # on the same models, prompts and settings. TRL stays in its own virtual environment.
 # ---------------------------------------------------------------------------------------------------------------
+def run_one_rank(command: list[str], what: str) -> str:
+    """A command in a fresh process with one rank's environment; its standard output, or a stop with its end."""
+    result = subprocess.run(command, env=rank_env(1), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark.py: {what} failed ({' '.join(command)}):\n{(result.stdout + result.stderr)[-3000:]}")
+    return result.stdout
+
+
 def run_trl(args: Args, work_dir: str, iterations: int, gc_freeze: bool) -> float:
     """TRL's episodes per second (its script's own figure: the batch over the mean time of an iteration after the
     first), running in --trl-python."""
@@ -538,23 +545,16 @@ def run_trl(args: Args, work_dir: str, iterations: int, gc_freeze: bool) -> floa
                "--num-layers", str(args.num_layers), "--num-heads", str(args.num_heads), "--intermediate-size",
                str(args.intermediate_size), "--ppo-epochs", str(args.num_ppo_epochs), "--mini-batches",
                str(args.num_mini_batches), *(["--gc-freeze"] if gc_freeze else [])]
-    result = subprocess.run(command, env=rank_env(1), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark.py: TRL failed ({' '.join(command)}):\n{(result.stdout + result.stderr)[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])["episodes_per_second"]
+    output = run_one_rank(command, "TRL")
+    return json.loads(output.strip().splitlines()[-1])["episodes_per_second"]
 
 
 def run_ppo_on_trl_models(args: Args, work_dir: str, iterations: int) -> float:
-    """ppo.py on TRL's models (policy, reward model, value model as the critic) and prompts, with TRL's settings
-    where ppo.py's defaults differ (temperature, KL coefficient, learning rates), one rank, in its own process.
-    Its episodes per second as TRL's script counts them: the batch over the mean time of an iteration after the
-    first (from ppo.py's eps, episodes over the time since the loop started, logged after each iteration)."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(work_dir, "tokenizer"))
-    with open(os.path.join(work_dir, "prompts.jsonl")) as f, \
-            open(os.path.join(work_dir, "prompts_text.jsonl"), "w") as out:
-        for line in f:
-            out.write(json.dumps({"prompt": tokenizer.decode(json.loads(line)["input_ids"])}) + "\n")
+    """ppo.py on TRL's models (policy, reward model, value model as the critic) and prompts (as text,
+    write_trl_prompts_as_text), with TRL's settings where ppo.py's defaults differ (temperature, KL coefficient,
+    learning rates), one rank, in its own process. Its episodes per second as TRL's script counts them: the batch over
+    the mean time of an iteration after the first (from ppo.py's eps, episodes over the time since the loop started,
+    logged after each iteration)."""
     exp_name = "benchmark_on_trl_models"
     command = [sys.executable, "ppo.py", *ppo_flags(args, work_dir, 1, 0, exp_name, iterations),
                "--actor-model-name-or-path", os.path.join(work_dir, "policy"),
@@ -562,12 +562,20 @@ def run_ppo_on_trl_models(args: Args, work_dir: str, iterations: int) -> float:
                "--critic-model-name-or-path", os.path.join(work_dir, "value_model"),
                "--dataset", os.path.join(work_dir, "prompts_text.jsonl"), "--temperature", "0.7", "--kl-coef", "0.05",
                "--actor-learning-rate", "3e-6", "--critic-learning-rate", "3e-6"]
-    result = subprocess.run(command, env=rank_env(1), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"benchmark.py: ppo.py failed ({' '.join(command)}):\n{(result.stdout + result.stderr)[-3000:]}")
+    run_one_rank(command, "ppo.py")
     metrics = metrics_of_run(exp_name)
     ends = [m["episode"] / m["eps"] for m in metrics]  # seconds since the loop started, at each iteration's end
     return args.episodes / ((ends[-1] - ends[0]) / (len(ends) - 1))
+
+
+def write_trl_prompts_as_text(work_dir: str) -> None:
+    """TRL's prompts (token ids) as the text that ppo.py reads, prompts_text.jsonl in work_dir."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(work_dir, "tokenizer"))
+    with open(os.path.join(work_dir, "prompts.jsonl")) as f, \
+            open(os.path.join(work_dir, "prompts_text.jsonl"), "w") as out:
+        for line in f:
+            out.write(json.dumps({"prompt": tokenizer.decode(json.loads(line)["input_ids"])}) + "\n")
 
 
 def against_trl(args: Args, iterations: int = 12) -> None:
@@ -576,6 +584,7 @@ def against_trl(args: Args, iterations: int = 12) -> None:
     runs = {"TRL as shipped": [], "TRL, gc.freeze()": [], "ppo.py": []}
     with tempfile.TemporaryDirectory() as work_dir:
         run_trl(args, work_dir, 1, False)  # builds TRL's models and prompts in work_dir
+        write_trl_prompts_as_text(work_dir)
         print("| round | " + " | ".join(runs) + " |\n|---|---|---|---|", flush=True)
         for round_number in range(1, args.repeats + 1):
             order = list(runs)[round_number % 3:] + list(runs)[:round_number % 3]
