@@ -2,7 +2,7 @@
 
 For one shape, this script builds random-init models in a temporary folder and times ppo.py on them against the
 limit: the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models
-(time_limit): one `generate` with the KV cache and the same stopping, the no-gradient forward passes of actor,
+(time_limit): ppo.sample's sampling with the KV cache and the same stopping, the no-gradient forward passes of actor,
 reference, critic and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch the
 forward, backward, gradient clipping and fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no
 statistics, no logging and no learning-rate schedule: less work than ppo.py's iteration. Every iteration does the
@@ -283,8 +283,8 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
         with torch.no_grad():
             with phase("generation"):
                 actor.eval()
-                sequences = actor.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                                           generation_config=generation_config)
+                sequences = torch.cat([prompts, ppo.sample(actor, prompts, torch.ones_like(prompts), generation_config,
+                                                           synced=False)], dim=1)
                 actor.train()
             mask = rlhf_math.response_mask_from_stop(sequences[:, P:], tokenizer.eos_token_id)
             attention_mask = torch.cat([torch.ones_like(prompts), mask], dim=1)

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 import rlhf_math
 from plumbing import CountInt, PositiveFloat, PositiveInt, Seed
-from ppo import check_score_head, response_logprobs, reward_scores, sampling_config, score_normalization
+from ppo import check_score_head, response_logprobs, reward_scores, sample, sampling_config, score_normalization
 from toy_task.gold_judge import gold_score
 
 
@@ -173,10 +173,8 @@ def answer(policy, sft, reward, tokenizer, reward_tokenizer, prompts: list[list[
         prompt_ids, prompt_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device)
         P = prompt_ids.shape[1]
         torch.manual_seed(args.seed + start)  # the same random stream for every policy
-        sequences = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                    generation_config=generation_config)
+        responses = sample(policy, prompt_ids, prompt_mask, generation_config, synced=False)
         # Truncate after the first EOS, as ppo.py does.
-        responses = sequences[:, P:]
         response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
         responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
         sequences = torch.cat([prompt_ids, responses], dim=1)

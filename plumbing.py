@@ -276,6 +276,22 @@ def gathered(engine, enabled: bool):
         if partitioned:  # back to this rank's shard; nothing was changed, so nothing is written back
             partitioned[0].partition(param_list=partitioned, has_been_updated=False)
 
+def add_lora(model, lora_dim: int, args):
+    """LoRA (Hu et al. 2021): beside each targeted linear layer W, a trainable low-rank update (alpha / r) B A, with
+    B = 0 at the start so that the model is unchanged; peft builds the layers in place. A sequence classifier's head
+    `score` stays plain, and the adapters have no dropout: the same input gives the same output."""
+    lora_config = peft.LoraConfig(r=lora_dim, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                  target_modules=args.lora_target_modules,
+                                  exclude_modules=["score"] if hasattr(model, "score") else None)
+    try:
+        model = peft.inject_adapter_in_model(lora_config, model)  # freezes all but the adapters
+    except (ValueError, re.error) as error:  # no module matches, or a regular expression that does not compile
+        fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}; give "
+             "'all-linear', or a regular expression that matches some of the model's modules")
+    if not args.only_optimize_lora:
+        model.requires_grad_(True)  # DeepSpeed-Chat's default: the adapters train alongside the whole model
+    return model
+
 @contextlib.contextmanager
 def adapters_disabled(model):
     """Switch a model's LoRA adapters off for a while (a model without adapters is unchanged): a model whose adapters

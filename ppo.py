@@ -20,14 +20,12 @@ import contextlib
 import json
 import math
 import os
-import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
 import deepspeed
 import numpy as np
-import peft
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -585,7 +583,7 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     model = plumbing.load_pretrained(model_class, path, f"check {flag}", new_head=new_head, config=config, dtype=dtype,
                                      trust_remote_code=args.trust_remote_code)
     if lora_dim:
-        model = add_lora(model, lora_dim, args)
+        model = plumbing.add_lora(model, lora_dim, args)  # no dropout: PPO's first ratio must be 1; `score` stays plain
         if new_head and learning_rate is not None:
             model.score.requires_grad_(True)  # a fresh value head must learn, even with --only-optimize-lora
     if learning_rate is None:
@@ -651,16 +649,37 @@ def build_engines(args: Args, critic_path: str):
     ema = init_ema(actor, args) if args.enable_ema else None
     return actor, reference, critic, reward, ema
 
-def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, iteration: int,
-                     start: int) -> torch.Tensor:
-    """One response sampled from the actor for each prompt: [B, P] -> [B, max_new_tokens], padded on the right. Under
-    ZeRO-3 without gathered weights every new token all-gathers each layer, and synced_gpus keeps the ranks stepping
-    together until all are done, so that none waits forever. Non-finite probabilities stop the run with one line."""
-    actor.eval()  # in train mode, gradient checkpointing would switch generate's key-value cache off
+def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool) -> torch.Tensor:
+    """model.generate(generation_config=config) for a sampling_config, written out: a_t ~ softmax(z), z = logits / tau,
+    token by token with the key-value cache; the same tokens from the same seed (test_ppo), without generate's
+    machinery. [B, P] -> [B, <= max_new_tokens], pad after each EOS; it stops when all have, on every rank if synced."""
+    cache, attention_mask, position_ids, tokens = None, prompt_mask, position_ids_from(prompt_mask), prompt_ids
+    running, responses = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []  # no EOS yet
+    for _ in range(config.max_new_tokens):
+        out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        z = out.logits[:, -1].float() / config.temperature
+        z[:, config.suppress_tokens] = -math.inf
+        tokens = torch.where(running.unsqueeze(1), torch.multinomial(torch.softmax(z, dim=-1), 1), config.pad_token_id)
+        responses.append(tokens)
+        running &= tokens.squeeze(1) != config.eos_token_id
+        # Synced (ZeRO-3 all-gathers each layer for every token), a rank that stopped alone would leave others waiting.
+        if (plumbing.sum_over_ranks({"running": running.sum()})["running"] if synced else running.sum()) == 0:
+            break
+        cache, attention_mask = out.cache, torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+    return torch.cat(responses, dim=1)
+
+def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
+                     iteration: int, start: int) -> torch.Tensor:
+    """A response to each prompt, [B, P] -> [B, max_new_tokens] padded on the right: `sample` (synced under ZeRO-3
+    without gathered weights), or the hybrid engine's generate. Non-finite probabilities stop the run with one line."""
+    actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
+    synced = actor.zero_optimization_stage() == 3 and not weights_gathered
     try:
-        sequences = actor.module.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config,
-            synced_gpus=actor.zero_optimization_stage() == 3 and not weights_gathered)
+        responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
+                                          generation_config=generation_config)[:, prompt_ids.shape[1] :] if hybrid \
+            else sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
     except RuntimeError as error:  # torch.multinomial's "probability tensor contains inf, nan or < 0"
         if "probability tensor contains" not in str(error):  # not a lost rank's error, or any other
             raise
@@ -668,7 +687,6 @@ def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_
                       f"({str(error).strip()}); " + ("lower the learning rates" if iteration > start
                                             else "check --actor-model-name-or-path and --temperature"))
     actor.train()
-    responses = sequences[:, prompt_ids.shape[1] :]
     return torch.nn.functional.pad(responses, (0, generation_config.max_new_tokens - responses.shape[1]),
                                    value=generation_config.pad_token_id)
 
@@ -689,13 +707,11 @@ RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gra
 
 def read_state(checkpoint: str) -> dict | None:
     """A checkpoint's state.json, or None if it does not read."""
-    try:
-        with open(os.path.join(checkpoint, "state.json")) as f:
-            state = json.load(f)
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint, "state.json")) as f:
+        state = json.load(f)
         return state if isinstance(state, dict) and {"iteration", "kl_coef", "actor", "critic", "args"} <= set(state) \
             else None
-    except (OSError, ValueError):
-        return None
+    return None
 
 def start_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads (plumbing.claim_output_dir), and the run they lead
@@ -708,8 +724,7 @@ def start_run(args: Args) -> dict:
               "--unsup-dataset": args.unsup_dataset}
     identities = {flag: plumbing.folder_identity(path) for flag, path in inputs.items() if "model" in flag}
     record = plumbing.read_record(args.output_dir) or {}  # an earlier run's, if ppo.py wrote this folder before
-    if record.get("script") != "ppo.py":
-        record = {}
+    record = record if record.get("script") == "ppo.py" else {}
     plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite)
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     # The checkpoints of the folder's run: one whose state.json does not read stays (load_checkpoint says why it skips
@@ -965,25 +980,9 @@ def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# DeepSpeed-Chat's extras, each off by default and called from one place in the loop: LoRA, an EMA of the actor,
-# InstructGPT's pretraining mix, and on a GPU the hybrid engine and fp16 overflow alignment (docs/extras.md).
+# DeepSpeed-Chat's extras, each off by default and called from one place: an EMA of the actor, InstructGPT's
+# pretraining mix, on a GPU the hybrid engine and fp16 overflow alignment, and LoRA (plumbing.add_lora; docs/extras.md).
 # ---------------------------------------------------------------------------------------------------------------
-def add_lora(model, lora_dim: int, args: Args):
-    """LoRA (Hu et al. 2021): beside each targeted linear layer W, a trainable low-rank update (alpha / r) B A, with
-    B = 0 at the start so that the model is unchanged; peft builds the layers in place. The value head `score` stays
-    plain (the critic's values come from it), and the adapters have no dropout (PPO's first ratio must be 1)."""
-    lora_config = peft.LoraConfig(r=lora_dim, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                  target_modules=args.lora_target_modules,
-                                  exclude_modules=["score"] if hasattr(model, "score") else None)
-    try:
-        model = peft.inject_adapter_in_model(lora_config, model)  # freezes all but the adapters
-    except (ValueError, re.error) as error:  # no module matches, or a regular expression that does not compile
-        plumbing.fail(f"--lora-target-modules {args.lora_target_modules!r}: {' '.join(str(error).split())[:300]}; give "
-                      "'all-linear', or a regular expression that matches some of the model's modules")
-    if not args.only_optimize_lora:
-        model.requires_grad_(True)  # DeepSpeed-Chat's default: the adapters train alongside the whole model
-    return model
-
 def init_ema(actor, args: Args):
     """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation only:
     frozen, ZeRO-3 when the actor is. A plain model (the actor's LoRA adapters are merged into it at every update),
@@ -1128,7 +1127,7 @@ if __name__ == "__main__":
             # 1. Generate: sample a response to every prompt from the current policy pi_theta.
             with plumbing.gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
                 responses = sample_responses(actor, prompt_ids, prompt_mask, generation_config, gather_actor,
-                                             iteration, start_iteration)
+                                             args.enable_hybrid_engine, iteration, start_iteration)
                 generation_time = time.time() - rollout_start
                 # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
                 response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)

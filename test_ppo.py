@@ -95,7 +95,7 @@ def check_actor_trained(out, stages):
 def test_generation_and_forward_log_probs_agree(model_type):
     """The log-probs ppo.py computes by a forward pass over prompt + response are those of the distribution the
     response was sampled from with ppo.sampling_config: same positions (left padding, the shift by one), same
-    temperature, in every family."""
+    temperature, in every family. ppo.sample draws the tokens generate draws from the same seed."""
     tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
     model, _ = tiny_models(model_type, tokenizer)
     prompts = tokenizer(["I watched this film last night and", "We saw it"], padding=True, return_tensors="pt")
@@ -106,6 +106,9 @@ def test_generation_and_forward_log_probs_agree(model_type):
                          return_dict_in_generate=True)
     P = prompts["input_ids"].shape[1]
     responses = out.sequences[:, P:]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert torch.equal(ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False), responses)
     sampled_logprobs = rlhf_math.logprobs_from_logits(torch.stack(out.logits, dim=1), responses, temperature=0.7)
     # What ppo.sampling_config samples from: the logits at the temperature, the pad token suppressed, nothing else.
     expected_scores = torch.stack(out.logits, dim=1) / 0.7
@@ -385,22 +388,39 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
 
 def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
     """torch.multinomial's error for NaN probabilities becomes one line naming the cause; only that error (a rank that
-    lost its peer fails inside generate too, and must not be told its probabilities are not finite)."""
+    lost its peer fails inside sampling too, and must not be told its probabilities are not finite)."""
     model, tokenizer = AutoModelForCausalLM.from_pretrained(stages[1]), AutoTokenizer.from_pretrained(stages[1])
     with torch.no_grad():
         model.lm_head.weight.fill_(float("nan"))
     actor = types.SimpleNamespace(module=model, eval=model.eval, train=model.train, zero_optimization_stage=lambda: 0)
     prompt = torch.tensor([tokenizer("The story").input_ids])
     sample = functools.partial(ppo.sample_responses, actor, prompt, torch.ones_like(prompt),
-                               ppo.sampling_config(tokenizer, 4, 1.0), False, 3, 0)
+                               ppo.sampling_config(tokenizer, 4, 1.0), False, False, 3, 0)
     check_stops([(sample, "iteration 3: the actor's next-token probabilities are not finite while sampling (probability "
                           "tensor contains either `inf`, `nan` or element < 0); lower the learning rates")])
-    def lost_peer(**_):  # gloo's error, as a killed peer of a ZeRO-3 generate produced it
+    def lost_peer(**_):  # gloo's error, as a killed peer of a ZeRO-3 generation produced it
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2237. This is typically caused by a "
                            "remote worker crashing.")
-    model.generate = lost_peer
+    model.forward = lost_peer
     with pytest.raises(RuntimeError, match="Connection closed by peer"):  # left to one_line_for_a_lost_rank
         sample()
+
+
+def test_sample_stops_as_generate_does(stages):
+    """On the SFT model, which ends its responses: ppo.sample draws generate's tokens from the same seed, pad after
+    each EOS, and stops once every response has stopped."""
+    model = AutoModelForCausalLM.from_pretrained(stages[1]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(stages[1], padding_side="left")
+    prompts = tokenizer(["The story", "I watched this film last night and", "We"], padding=True, return_tensors="pt")
+    config = ppo.sampling_config(tokenizer, max_new_tokens=64, temperature=0.7)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        expected = model.generate(**prompts, generation_config=config)[:, prompts["input_ids"].shape[1] :]
+        torch.manual_seed(1)
+        responses = ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False)
+    assert torch.equal(responses, expected)
+    stopped = (responses == tokenizer.eos_token_id).any(dim=1)
+    assert stopped.all() and responses.shape[1] < 64, (responses.shape, stopped)
 
 
 def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch):
@@ -725,10 +745,13 @@ def check_ema(out, stages, metrics, decay):
 def test_lora_trains_only_the_adapters(stages, tmp_path):
     """On 2 ranks, the actor under ZeRO-3 and the critic under ZeRO-0, with --only-optimize-lora: the saved (merged)
     models differ from where they started only by a rank-r update of the adapted layers, and the reference is the
-    actor with its adapters off (the KL is exactly 0 before the first update, not after)."""
+    actor with its adapters off (the KL is exactly 0 before the first update, not after). The actor's weights are not
+    gathered for the rollout, and its responses stop (EOS) at different tokens on the two ranks: ppo.sample steps on
+    until both ranks' have stopped (synced), or the ranks' all-gathers would not match."""
     out = tmp_path / "lora"
     _, exp_name = run_ppo(stages, out, "--total-episodes", "32", "--actor-lora-dim", "4", "--critic-lora-dim", "4",
-                          "--only-optimize-lora", "--actor-zero-stage", "3", ranks=2)
+                          "--only-optimize-lora", "--actor-zero-stage", "3", "--no-gather-weights-for-rollout",
+                          "--max-new-tokens", "40", ranks=2)
     metrics = read_metrics(exp_name)
     check_metrics(metrics, 2)
     assert metrics[0]["objective/kl"] == 0.0 and metrics[1]["objective/kl"] != 0.0
@@ -749,7 +772,7 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     """plumbing.merged_state_dict folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
     the log-probs of the model with adapters."""
     tokenizer = AutoTokenizer.from_pretrained(stages[1])
-    model = ppo.add_lora(AutoModelForCausalLM.from_pretrained(stages[1]), 4, ppo.Args())
+    model = plumbing.add_lora(AutoModelForCausalLM.from_pretrained(stages[1]), 4, ppo.Args())
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
