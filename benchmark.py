@@ -11,10 +11,11 @@ in vocab_size + 1, too rarely to close all.
 
 A shared CPU's speed drifts by tens of percent within seconds (other machines' work on the same host), so on one rank
 ppo.py and the limit run in two fresh processes that take turns, iteration by iteration, the one waiting frozen
-(SIGSTOP): each iteration of ppo.py is compared with the limit's iteration next to it in time (run_in_turns). On 2
-ranks, whole runs of ppo.py at each actor ZeRO stage alternate with runs of the limit.
+(SIGSTOP): each iteration of ppo.py is compared with the limit's iteration next to it in time (run_in_turns). Two
+limits taking turns in the same way show how far apart two processes doing the same work come out (--null-rounds). On
+2 ranks, whole runs of ppo.py at each actor ZeRO stage alternate with runs of the limit.
 
-    python benchmark.py                       # the default CPU shape (about 14 minutes on 2 cores)
+    python benchmark.py                       # the default CPU shape (about 15 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
     python benchmark.py --trl-python trl-venv/bin/python   # ppo.py against TRL 1.12's PPOTrainer, alternating
@@ -99,6 +100,9 @@ class Args:
     repeats: int = 5
     """rounds, each with fresh processes: on one rank, ppo.py and the limit taking turns (run_in_turns); on 2 ranks,
     a run of ppo.py at each actor ZeRO stage, then one of the limit. The table shows medians over all rounds"""
+    null_rounds: int = 2
+    """rounds of the limit against a second limit on one rank, taking turns as ppo.py and the limit do: two processes
+    doing the same work, whose ratios are the noise of the 1-rank ratios; 0 to skip"""
     two_rank_stages: list[int] = field(default_factory=lambda: [0, 2, 3])
     """actor ZeRO stages to run on 2 ranks (the critic stays at ZeRO-0); empty to skip"""
     output_json: str = "benchmark.json"
@@ -410,14 +414,17 @@ def ppo_in_turns(args: Args, folder: str, exp_name: str, turns: list[int]) -> No
     print(json.dumps({"state": process_state()}))
 
 
-def run_in_turns(args: Args, folder: str) -> tuple[list[dict], list[dict], dict]:
+def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple[list[dict], list[dict], dict]:
     """One round on one rank: ppo.py (ppo_in_turns) and the limit (run_limit) in two fresh processes that take turns,
     one iteration each, ppo.py first in even iterations and the limit first in odd ones. The one waiting is frozen
     (SIGSTOP), so that nothing of it (its spinning OpenMP workers, its threads) runs in the other's turn. Returns
-    ppo.py's timed iterations (its metrics), the limit's, and the processes' state and ppo.py's peak RSS."""
+    ppo.py's timed iterations (its metrics), the limit's, and the processes' state and ppo.py's peak RSS. With
+    against_itself, a second limit takes ppo.py's place, and its timed iterations come first."""
     exp_name, iterations = "benchmark_1rank_zero0", args.warmup_iterations + args.iterations
+    first = ("second limit", "run_limit", [folder, 1]) if against_itself else ("ppo.py", "ppo_in_turns",
+                                                                              [folder, exp_name])
     sides = {}
-    for name, function, arguments in [("ppo.py", "ppo_in_turns", [folder, exp_name]), ("limit", "run_limit", [folder, 1])]:
+    for name, function, arguments in [first, ("limit", "run_limit", [folder, 1])]:
         go_read, go_write = os.pipe()
         done_read, done_write = os.pipe()
         output = tempfile.TemporaryFile("w+")
@@ -438,10 +445,10 @@ def run_in_turns(args: Args, folder: str) -> tuple[list[dict], list[dict], dict]
                     continue
                 os.kill(process.pid, signal.SIGSTOP)
         # wait4 gives the rusage of the finished process: ru_maxrss is its peak, in KiB.
-        _, status, rusage = os.wait4(sides["ppo.py"][0].pid, 0)
+        _, status, rusage = os.wait4(sides[first[0]][0].pid, 0)
         sides["limit"][0].wait()
         if os.waitstatus_to_exitcode(status) != 0:
-            last_json_line(sides["ppo.py"][3], "ppo.py")
+            last_json_line(sides[first[0]][3], first[0])
         results = {name: last_json_line(output, name) for name, (_, _, _, output) in sides.items()}
     finally:
         for process, go, done, output in sides.values():
@@ -449,7 +456,8 @@ def run_in_turns(args: Args, folder: str) -> tuple[list[dict], list[dict], dict]
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
             os.close(go), os.close(done), output.close()
-    return metrics_of_run(exp_name)[args.warmup_iterations:], results["limit"]["timed"], \
+    first_timed = results[first[0]]["timed"] if against_itself else metrics_of_run(exp_name)[args.warmup_iterations:]
+    return first_timed, results["limit"]["timed"], \
         {"state": {name: result["state"] for name, result in results.items()}, "peak_rss_gb": rusage.ru_maxrss / 2**20}
 
 
@@ -699,12 +707,18 @@ if __name__ == "__main__":
         raise SystemExit(0)
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
-        one_rank, states, two_ranks, limits = [], [], {stage: [] for stage in args.two_rank_stages}, []
+        one_rank, states, two_ranks, limits, null = [], [], {stage: [] for stage in args.two_rank_stages}, [], []
         for round_number in range(1, args.repeats + 1):
             print(f"round {round_number}/{args.repeats}: ppo.py and the limit on 1 rank, taking turns ...", flush=True)
             ppo_timed, limit_timed, state = run_in_turns(args, folder)
             one_rank.append((ppo_timed, limit_timed, state["peak_rss_gb"]))
             states.append(state["state"])
+            if round_number <= args.null_rounds:
+                print(f"round {round_number}/{args.repeats}: the limit against a second limit on 1 rank, taking "
+                      "turns ...", flush=True)
+                second, limit_timed, _ = run_in_turns(args, folder, against_itself=True)
+                null.append([(s["rollout"] + s["update"], l["rollout"] + l["update"])
+                             for s, l in zip(second, limit_timed)])
             for stage in args.two_rank_stages:
                 print(f"round {round_number}/{args.repeats}: ppo.py, 2 ranks, actor ZeRO-{stage} ...", flush=True)
                 two_ranks[stage].append(run_ppo(args, folder, 2, stage))
@@ -742,6 +756,11 @@ if __name__ == "__main__":
     print(f"\nOn 1 rank each ratio is the median over {len(pairs)} pairs of an iteration of ppo.py and the limit's next "
           f"to it in time. Process state, round 1: ppo.py {states[0]['ppo.py']}; the limit {states[0]['limit']}; "
           f"load average now {os.getloadavg()[0]:.2f} (1 minute).")
+    if null:
+        ratios = [[second / limit for second, limit in pairs] for pairs in null]
+        print(f"The limit against a second limit, taking turns in the same way (the noise of the 1-rank ratios): "
+              f"iteration ratio {statistics.median(r for rounds in ratios for r in rounds):.2f} over "
+              f"{sum(map(len, ratios))} pairs; by round {', '.join(f'{statistics.median(r):.2f}' for r in ratios)}.")
     print("\nWhere the time of an iteration goes, in one process (--profile):")
     print_profile(ppo_profile, limit_profile)
     print("\n| model (one rank, ZeRO-0, fp32) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
@@ -760,5 +779,6 @@ if __name__ == "__main__":
     with open(args.output_json, "w") as f:
         json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory, "state": states,
                    "pairs": [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"]) for m, l in pairs],
+                   "null_pairs": null,
                    "profile": {"ppo.py": ppo_profile, "limit": limit_profile}}, f, indent=2)
     print(f"wrote {args.output_json}")

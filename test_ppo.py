@@ -675,14 +675,14 @@ def test_evaluate(stages, wrong, tmp_path):
 
 def test_benchmark(tmp_path):
     """benchmark.py runs ppo.py (here also on 2 ranks with the actor under ZeRO-3 in fp32, where the first PPO ratio
-    must be exactly 1) and the bare calls, and its figures show no gradients or optimizer state for frozen models;
-    --profile times every phase of both, and the GPU preset (Pythia-1B's shape, bf16) applies where no flag says
-    otherwise. A tiny shape, to run here."""
+    must be exactly 1) and the bare calls, the bare calls against themselves (the noise of the ratios), and its
+    figures show no gradients or optimizer state for frozen models; --profile times every phase of both, and the GPU
+    preset (Pythia-1B's shape, bf16) applies where no flag says otherwise. A tiny shape, to run here."""
     small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
              "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
     output = tmp_path / "benchmark.json"
     table = run("benchmark.py", *small, "--warmup-iterations", "1", "--iterations", "2", "--repeats", "1",
-                "--two-rank-stages", "3", "--output-json", str(output)).stdout
+                "--null-rounds", "1", "--two-rank-stages", "3", "--output-json", str(output)).stdout
     result = json.loads(output.read_text())
     assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0", "2 ranks, actor ZeRO-3"]
     assert all(r["rollout_s"] > 0 and r["rollout_limit_s"] > 0 and r["update_limit_s"] > 0 for r in result["rows"])
@@ -690,6 +690,10 @@ def test_benchmark(tmp_path):
     assert "each ratio is the median over 2 pairs of an iteration of ppo.py and the limit's" in table
     assert len(result["pairs"]) == 2 and result["rows"][0]["iteration_ratio"] == statistics.median(
         ppo_s / limit_s for ppo_s, limit_s in result["pairs"])
+    # The noise of those ratios: the limit against a second limit, taking turns in the same way.
+    [null] = result["null_pairs"]
+    ratio = statistics.median(second_s / limit_s for second_s, limit_s in null)
+    assert len(null) == 2 and f"iteration ratio {ratio:.2f} over 2 pairs; by round {ratio:.2f}." in table, (null, table)
     for side in ["ppo.py", "limit"]:  # the process state beside the table: threads and OpenMP settings
         assert "torch threads 1, OpenMP/MKL environment {'OMP_NUM_THREADS': '1'" in result["state"][0][side], result
     assert set(result["profile"]["ppo.py"]["phases"]) == set(benchmark.PHASES) and "| phase |" in table
