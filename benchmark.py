@@ -15,7 +15,7 @@ ppo.py and the limit run in two fresh processes that take turns, iteration by it
 limits taking turns in the same way show how far apart two processes doing the same work come out (--null-rounds). On
 2 ranks, whole runs of ppo.py at each actor ZeRO stage alternate with runs of the limit.
 
-    python benchmark.py                       # the default CPU shape (about 15 minutes on 2 cores)
+    python benchmark.py                       # the default CPU shape (10 to 15 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
     python benchmark.py --trl-python trl-venv/bin/python   # ppo.py against TRL 1.12's PPOTrainer, alternating
