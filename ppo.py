@@ -666,8 +666,11 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
         # Synced (ZeRO-3 all-gathers each layer for every token), a rank that stopped alone would leave others waiting.
         if (plumbing.sum_over_ranks({"running": running.sum()})["running"] if synced else running.sum()) == 0:
             break
-        cache, attention_mask = out.cache, torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
-        position_ids = position_ids[:, -1:] + 1
+        cache = getattr(out, "cache", None)
+        if cache is None:  # a model that ignores transformers' `cache` would go on from the last token alone
+            plumbing.fail(f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` "
+                          "argument, which ppo.py samples with: upgrade transformers, or use one of its own models")
+        attention_mask, position_ids = torch.cat([attention_mask, torch.ones_like(tokens)], 1), position_ids[:, -1:] + 1
     return torch.cat(responses, dim=1)
 
 def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
@@ -914,9 +917,7 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
         "val/num_eos_tokens": sums["eos"],
         "val/response_length": sums["length"] / sums["responses"],
         "val/num_invalid": sums["responses"] - sums["valid"],
-        "lr": lr,
-        "episode": (iteration + 1) * args.batch_size,
-        **times,
+        "lr": lr, "episode": (iteration + 1) * args.batch_size, **times,
         # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, DeepSpeed
         # reports the process's peak resident memory for both).
         "memory/max_allocated_gb": get_accelerator().max_memory_allocated() / 2**30,

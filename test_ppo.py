@@ -408,7 +408,8 @@ def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
 
 def test_sample_stops_as_generate_does(stages):
     """On the SFT model, which ends its responses: ppo.sample draws generate's tokens from the same seed, pad after
-    each EOS, and stops once every response has stopped."""
+    each EOS, and stops once every response has stopped; a model that returns no key-value cache stops it with one
+    line."""
     model = AutoModelForCausalLM.from_pretrained(stages[1]).eval()
     tokenizer = AutoTokenizer.from_pretrained(stages[1], padding_side="left")
     prompts = tokenizer(["The story", "I watched this film last night and", "We"], padding=True, return_tensors="pt")
@@ -421,6 +422,12 @@ def test_sample_stops_as_generate_does(stages):
     assert torch.equal(responses, expected)
     stopped = (responses == tokenizer.eos_token_id).any(dim=1)
     assert stopped.all() and responses.shape[1] < 64, (responses.shape, stopped)
+    # A model that returns no cache (custom code that ignores `cache`) would go on from the last token alone.
+    forward = model.forward
+    model.forward = lambda **kwargs: forward(**{**kwargs, "use_cache": False})
+    check_stops([(lambda: ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False),
+                  f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` argument, which "
+                  "ppo.py samples with: upgrade transformers, or use one of its own models")])
 
 
 def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch):
