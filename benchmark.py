@@ -287,10 +287,10 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
         with torch.no_grad():
             with phase("generation"):
                 actor.eval()
-                sequences = torch.cat([prompts, ppo.sample(actor, prompts, torch.ones_like(prompts), generation_config,
-                                                           synced=False)], dim=1)
+                responses = ppo.sample(actor, prompts, torch.ones_like(prompts), generation_config, synced=False)
                 actor.train()
-            mask = rlhf_math.response_mask_from_stop(sequences[:, P:], tokenizer.eos_token_id)
+            sequences = torch.cat([prompts, responses], dim=1)
+            mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
             attention_mask = torch.cat([torch.ones_like(prompts), mask], dim=1)
             chunks = list(zip(sequences.split(micro), attention_mask.split(micro)))
             with phase("actor log-probs"):
@@ -757,10 +757,11 @@ if __name__ == "__main__":
           f"to it in time. Process state, round 1: ppo.py {states[0]['ppo.py']}; the limit {states[0]['limit']}; "
           f"load average now {os.getloadavg()[0]:.2f} (1 minute).")
     if null:
-        ratios = [[second / limit for second, limit in pairs] for pairs in null]
+        null_ratios = [[second_s / limit_s for second_s, limit_s in round_pairs] for round_pairs in null]
         print(f"The limit against a second limit, taking turns in the same way (the noise of the 1-rank ratios): "
-              f"iteration ratio {statistics.median(r for rounds in ratios for r in rounds):.2f} over "
-              f"{sum(map(len, ratios))} pairs; by round {', '.join(f'{statistics.median(r):.2f}' for r in ratios)}.")
+              f"iteration ratio {statistics.median(r for rounds in null_ratios for r in rounds):.2f} over "
+              f"{sum(map(len, null_ratios))} pairs; by round "
+              f"{', '.join(f'{statistics.median(r):.2f}' for r in null_ratios)}.")
     print("\nWhere the time of an iteration goes, in one process (--profile):")
     print_profile(ppo_profile, limit_profile)
     print("\n| model (one rank, ZeRO-0, fp32) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
