@@ -4,10 +4,11 @@ For one shape, this script builds random-init models in a temporary folder and t
 limit: the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models
 (time_limit): ppo.sample's sampling with the KV cache and the same stopping, the no-gradient forward passes of actor,
 reference, critic and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch the
-forward, backward, gradient clipping and fused AdamW step of actor and critic. It has no DeepSpeed, no checks, no
-statistics, no logging and no learning-rate schedule: less work than ppo.py's iteration. Every iteration does the
-same work: generation runs to full length while any response is open, and a random model samples the EOS, one token
-in vocab_size + 1, too rarely to close all.
+forward, backward, gradient clipping and fused AdamW step of actor and critic (in bf16 on fp32 copies of their
+weights, as ppo.py's mixed precision does). It has no DeepSpeed, no checks, no statistics, no logging and no
+learning-rate schedule: less work than ppo.py's iteration. Every iteration does the same work: generation runs to
+full length while any response is open, and a random model samples the EOS, one token in vocab_size + 1, too rarely
+to close all.
 
 A shared CPU's speed drifts by tens of percent within seconds (other machines' work on the same host), so on one rank
 ppo.py and the limit run in two fresh processes that take turns, iteration by iteration, the one waiting frozen
@@ -26,6 +27,7 @@ Prints one table and writes it as JSON (--output-json) for comparison across com
 import ast
 import contextlib
 import functools
+import gc
 import inspect
 import json
 import os
@@ -175,9 +177,15 @@ def settings(args: Args) -> str:
     threads = {ranks: rank_env(ranks).get("OMP_NUM_THREADS", "unset") for ranks in (1, 2)}
     return (f"shape: {args.episodes} episodes of {args.prompt_len} + {args.response_len} tokens, {args.num_layers} "
             f"layers of width {args.hidden_size} ({args.num_heads} heads, MLP {args.intermediate_size}), vocabulary "
-            f"{args.vocab_size}, {args.dtype}; on {get_accelerator().device_name()} with {os.cpu_count()} CPU cores, "
+            f"{args.vocab_size}, {args.dtype}; on {device_name()} with {os.cpu_count()} CPU cores, "
             f"this process {torch.get_num_threads()} torch threads, OMP_NUM_THREADS for 1 rank {threads[1]}, "
             f"for each of 2 ranks {threads[2]}; load average {os.getloadavg()[0]:.2f} (1 minute)")
+
+
+def device_name() -> str:
+    """The accelerator, with the GPU's own name (the card a figure was measured on)."""
+    name = get_accelerator().device_name()
+    return f"{name} ({torch.cuda.get_device_name()})" if name == "cuda" else name
 
 
 def process_state() -> str:
@@ -255,9 +263,9 @@ def phase_timer(synchronize: bool):
 def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
     """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings, timed: the same
     model calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math
-    of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW. Run it in a process
-    with the environment of such a rank (in_own_process). turn(iteration), if given, is called before each
-    iteration, outside its time."""
+    of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW (in bf16 on fp32
+    copies of the weights). Run it in a process with the environment of such a rank (in_own_process).
+    turn(iteration), if given, is called before each iteration, outside its time."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     defaults = ppo.Args()
@@ -268,8 +276,12 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
     critic = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device).train()
     reward = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device)
     reward.requires_grad_(False)
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, fused=True)
-                  for model in (actor, critic)]
+    # In bf16, mixed precision as in ppo.py (DeepSpeed): AdamW steps an fp32 copy of the weights, which go back to
+    # bf16 after each step. AdamW on the bf16 weights themselves would be less work, and would round away updates
+    # as small as lr 1e-6 times Adam's unit step.
+    trained = [list(model.parameters()) for model in (actor, critic)]
+    masters = [[p.detach().float() for p in params] if dtype != torch.float32 else params for params in trained]
+    optimizers = [torch.optim.AdamW(master, lr=1e-6, weight_decay=0.0, fused=True) for master in masters]
     per_rank = args.episodes // ranks
     per_mini_batch = per_rank // args.num_mini_batches
     micro = per_mini_batch // args.micro_batches_per_mini_batch
@@ -328,10 +340,17 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
                     with phase("critic backward"):
                         (vf_loss / args.micro_batches_per_mini_batch).backward()
                 with phase("optimizer steps"):
-                    for model, optimizer in zip((actor, critic), optimizers):
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), defaults.gradient_clipping)
+                    for params, master, optimizer in zip(trained, masters, optimizers):
+                        for m, p in zip(master, params):
+                            if m is not p:  # bf16: the gradient to the fp32 copy
+                                m.grad, p.grad = p.grad.float(), None
+                        torch.nn.utils.clip_grad_norm_(master, defaults.gradient_clipping)
                         optimizer.step()
                         optimizer.zero_grad()
+                        with torch.no_grad():
+                            for m, p in zip(master, params):
+                                if m is not p:  # bf16: the updated weight back to the model
+                                    p.copy_(m)
         synchronize()
         return {"rollout": rollout_end - start, "update": time.perf_counter() - rollout_end}
 
@@ -613,6 +632,7 @@ def exec_ppo_main(flags: list[str], replacements: dict) -> None:
     originals = {key: getattr(*key) for key in replacements}
     main = ast.parse(inspect.getsource(ppo)).body[-1]  # if __name__ == "__main__": its body
     argv, sys.argv = sys.argv, ["ppo.py", *flags]
+    names = set(vars(ppo))
     try:
         for (owner, name), function in replacements.items():
             setattr(owner, name, function)
@@ -621,6 +641,10 @@ def exec_ppo_main(flags: list[str], replacements: dict) -> None:
         sys.argv = argv
         for (owner, name), function in originals.items():
             setattr(owner, name, function)
+        for name in set(vars(ppo)) - names:  # the main block's variables, its four engines among them, are freed
+            del vars(ppo)[name]
+        gc.collect()
+        get_accelerator().empty_cache()
 
 
 def print_profile(ppo_profile: dict, limit: dict) -> None:

@@ -545,13 +545,9 @@ def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload and stage == 3:
         zero["offload_param"] = {"device": "cpu"}
-    config = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "zero_optimization": zero,
-        "bf16": {"enabled": args.dtype == "bf16"},
-        "fp16": {"enabled": args.dtype == "fp16"},
-        "steps_per_print": 10**9,
-    }
+    config = {"train_micro_batch_size_per_gpu": args.per_device_train_batch_size, "zero_optimization": zero,
+              "bf16": {"enabled": args.dtype == "bf16"}, "fp16": {"enabled": args.dtype == "fp16"},
+              "steps_per_print": 10**9}
     if trained:
         config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
         config["gradient_clipping"] = args.gradient_clipping
@@ -676,19 +672,23 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
 def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
                      iteration: int, start: int) -> torch.Tensor:
     """A response to each prompt, [B, P] -> [B, max_new_tokens] padded on the right: `sample` (synced under ZeRO-3
-    without gathered weights), or the hybrid engine's generate. Non-finite probabilities stop the run with one line."""
+    without gathered weights), or the hybrid engine's generate. Non-finite probabilities stop the run with one line,
+    and so does a hybrid engine that fails at its first generation."""
     actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
     synced = actor.zero_optimization_stage() == 3 and not weights_gathered
     try:
         responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
                                           generation_config=generation_config)[:, prompt_ids.shape[1] :] if hybrid \
             else sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
-    except RuntimeError as error:  # torch.multinomial's "probability tensor contains inf, nan or < 0"
-        if "probability tensor contains" not in str(error):  # not a lost rank's error, or any other
-            raise
-        plumbing.fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while sampling "
-                      f"({str(error).strip()}); " + ("lower the learning rates" if iteration > start
-                                            else "check --actor-model-name-or-path and --temperature"))
+    except Exception as error:
+        if "probability tensor contains" in str(error):  # torch.multinomial's "... contains inf, nan or < 0"
+            plumbing.fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while "
+                          f"sampling ({str(error).strip()}); " + ("lower the learning rates" if iteration > start
+                                                else "check --actor-model-name-or-path and --temperature"))
+        if hybrid and iteration == start and not isinstance(error, torch.OutOfMemoryError):  # its first generation
+            plumbing.fail(f"DeepSpeed's hybrid engine failed on {type(actor.module).__name__} ({type(error).__name__}: "
+                          f"{error}); its layers are transformers 4's (docs/extras.md): drop --enable-hybrid-engine")
+        raise  # a lost rank's error, or any other
     actor.train()
     return torch.nn.functional.pad(responses, (0, generation_config.max_new_tokens - responses.shape[1]),
                                    value=generation_config.pad_token_id)

@@ -388,7 +388,8 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
 
 def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
     """torch.multinomial's error for NaN probabilities becomes one line naming the cause; only that error (a rank that
-    lost its peer fails inside sampling too, and must not be told its probabilities are not finite)."""
+    lost its peer fails inside sampling too, and must not be told its probabilities are not finite). So does the hybrid
+    engine's failure at its first generation."""
     model, tokenizer = AutoModelForCausalLM.from_pretrained(stages[1]), AutoTokenizer.from_pretrained(stages[1])
     with torch.no_grad():
         model.lm_head.weight.fill_(float("nan"))
@@ -404,6 +405,16 @@ def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
     model.forward = lost_peer
     with pytest.raises(RuntimeError, match="Connection closed by peer"):  # left to one_line_for_a_lost_rank
         sample()
+
+    def hybrid_generate(**_):  # DeepSpeed 0.19.8's hybrid engine on transformers 5.24's Llama, seen on an H200
+        raise AttributeError("'tuple' object has no attribute 'size'")
+    model.generate = hybrid_generate
+    hybrid = functools.partial(ppo.sample_responses, actor, prompt, torch.ones_like(prompt),
+                               ppo.sampling_config(tokenizer, 4, 1.0), False, True)
+    check_stops([(lambda: hybrid(2, 2), "DeepSpeed's hybrid engine failed on LlamaForCausalLM (AttributeError: 'tuple' "
+                                        "object has no attribute 'size'); its layers are transformers 4's")])
+    with pytest.raises(AttributeError):  # after its first generation, the engine worked: any other error stays as is
+        hybrid(3, 2)
 
 
 def test_sample_stops_as_generate_does(stages):
@@ -722,6 +733,16 @@ def test_benchmark(tmp_path):
     for name in benchmark.PHASES:
         ours, limit = rows[name]
         assert ours > 0 and (limit > 0) == (name != "checks, statistics and logging"), (name, profile)
+
+
+def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
+    """--profile runs ppo.py's main block in the benchmark's own process (exec_ppo_main), before the limit and the
+    memory figures: what the block leaves in ppo's namespace (its four engines: tens of GB on a GPU at Pythia-1B's
+    shape) is freed when it ends, also when it stops."""
+    names = set(vars(ppo))
+    with pytest.raises(SystemExit, match="no/such/folder"):
+        benchmark.exec_ppo_main(["--actor-model-name-or-path", "no/such/folder"], {})
+    assert set(vars(ppo)) == names
 
 
 # ---------------------------------------------------------------------------------------------------------------------
