@@ -341,16 +341,15 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
                         (vf_loss / args.micro_batches_per_mini_batch).backward()
                 with phase("optimizer steps"):
                     for params, master, optimizer in zip(trained, masters, optimizers):
-                        for m, p in zip(master, params):
-                            if m is not p:  # bf16: the gradient to the fp32 copy
+                        if master is not params:  # bf16: the gradients to the fp32 copy
+                            for m, p in zip(master, params):
                                 m.grad, p.grad = p.grad.float(), None
                         torch.nn.utils.clip_grad_norm_(master, defaults.gradient_clipping)
                         optimizer.step()
                         optimizer.zero_grad()
-                        with torch.no_grad():
-                            for m, p in zip(master, params):
-                                if m is not p:  # bf16: the updated weight back to the model
-                                    p.copy_(m)
+                        if master is not params:  # bf16: the updated weights back to the model
+                            with torch.no_grad():
+                                torch._foreach_copy_(params, master)
         synchronize()
         return {"rollout": rollout_end - start, "update": time.perf_counter() - rollout_end}
 
