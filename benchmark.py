@@ -146,6 +146,15 @@ def build_models(args: Args, folder: str) -> None:
             f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in ids.tolist())}) + "\n")
 
 
+def build_models_in_own_process(args: Args, folder: str) -> None:
+    """build_models in a new Python process, so that the benchmark's own peak memory stays that of its imports: a
+    process it starts afterwards begins with wait4's ru_maxrss at that peak (plumbing.peak_resident_gb)."""
+    with tempfile.TemporaryFile("w+") as output:
+        if in_own_process("build_models", args, [folder], dict(os.environ), output).wait() != 0:
+            output.seek(0)
+            raise SystemExit(f"benchmark.py: building the models failed:\n{output.read()[-3000:]}")
+
+
 def ppo_flags(args: Args, folder: str, ranks: int, stage: int, exp_name: str, iterations: int) -> list[str]:
     """ppo.py's flags for the benchmark's models and prompts, one rank's share of the episodes, at an actor ZeRO stage."""
     per_rank = args.episodes // ranks
@@ -197,7 +206,8 @@ def process_state() -> str:
 
 
 def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
-    """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank."""
+    """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank (at
+    least the benchmark's own when the process started: wait4's ru_maxrss; build_models_in_own_process keeps it low)."""
     exp_name = f"benchmark_{ranks}ranks_zero{stage}"
     command = ["ppo.py", *ppo_flags(args, folder, ranks, stage, exp_name, args.warmup_iterations + args.iterations)]
     if ranks > 1:
@@ -395,7 +405,8 @@ def last_json_line(output, what: str) -> dict:
 def run_limit(args: Args, folder: str, ranks: int, turns: list[int] | None = None) -> None:
     """time_limit, printed as JSON with this process's state; with turns (run_in_turns), one iteration per turn."""
     turn = None if turns is None else lambda iteration: wait_for_turn(turns, iteration)
-    print(json.dumps({**time_limit(args, folder, ranks, turn=turn), "state": process_state()}))
+    print(json.dumps({**time_limit(args, folder, ranks, turn=turn), "state": process_state(),
+                      "peak_rss_gb": plumbing.peak_resident_gb()}))
 
 
 def time_limit_in_own_process(args: Args, folder: str, ranks: int) -> dict:
@@ -429,7 +440,7 @@ def ppo_in_turns(args: Args, folder: str, exp_name: str, turns: list[int]) -> No
 
     exec_ppo_main(ppo_flags(args, folder, 1, 0, exp_name, args.warmup_iterations + args.iterations),
                   {(ppo, "prompts_of_iteration"): in_turn})
-    print(json.dumps({"state": process_state()}))
+    print(json.dumps({"state": process_state(), "peak_rss_gb": plumbing.peak_resident_gb()}))
 
 
 def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple[list[dict], list[dict], dict]:
@@ -462,10 +473,8 @@ def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple
                         last_json_line(output, name)  # its error
                     continue
                 os.kill(process.pid, signal.SIGSTOP)
-        # wait4 gives the rusage of the finished process: ru_maxrss is its peak, in KiB.
-        _, status, rusage = os.wait4(sides[first[0]][0].pid, 0)
         sides["limit"][0].wait()
-        if os.waitstatus_to_exitcode(status) != 0:
+        if sides[first[0]][0].wait() != 0:
             last_json_line(sides[first[0]][3], first[0])
         results = {name: last_json_line(output, name) for name, (_, _, _, output) in sides.items()}
     finally:
@@ -476,7 +485,8 @@ def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple
             os.close(go), os.close(done), output.close()
     first_timed = results[first[0]]["timed"] if against_itself else metrics_of_run(exp_name)[args.warmup_iterations:]
     return first_timed, results["limit"]["timed"], \
-        {"state": {name: result["state"] for name, result in results.items()}, "peak_rss_gb": rusage.ru_maxrss / 2**20}
+        {"state": {name: result["state"] for name, result in results.items()},
+         "peak_rss_gb": results[first[0]]["peak_rss_gb"]}
 
 
 def metrics_of_run(exp_name: str) -> list[dict]:
@@ -729,7 +739,7 @@ if __name__ == "__main__":
             print_profile(ppo_profile, time_limit(args, folder, 1, profile=True))
         raise SystemExit(0)
     with tempfile.TemporaryDirectory() as folder:
-        build_models(args, folder)
+        build_models_in_own_process(args, folder)
         one_rank, states, two_ranks, limits, null = [], [], {stage: [] for stage in args.two_rank_stages}, [], []
         for round_number in range(1, args.repeats + 1):
             print(f"round {round_number}/{args.repeats}: ppo.py and the limit on 1 rank, taking turns ...", flush=True)

@@ -471,6 +471,24 @@ def init_distributed(args) -> torch.device:
         sys.excepthook = functools.partial(one_line_for_a_lost_rank, launchers)
     return torch.device(get_accelerator().device_name(args.local_rank))
 
+def peak_resident_gb() -> float:
+    """This process's peak resident memory, in GB: Linux's VmHWM, this program's own (the ru_maxrss of getrusage and
+    wait4 starts from the peak of the process that spawned it). Elsewhere, getrusage's figure."""
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+
+def peak_memory_gb() -> dict:
+    """This rank's peak memory so far, in GB: on a GPU, torch's allocated and reserved figures; on a CPU, the process's
+    peak resident memory for both (DeepSpeed's CPU figures are the largest of its own readings of the resident memory,
+    which miss the peaks between them)."""
+    if get_accelerator().device_name() == "cpu":
+        return {"max_allocated_gb": peak_resident_gb(), "max_reserved_gb": peak_resident_gb()}
+    return {"max_allocated_gb": get_accelerator().max_memory_allocated() / 2**30,
+            "max_reserved_gb": get_accelerator().max_memory_reserved() / 2**30}
+
 def free_port() -> str:
     """A TCP port free on this machine now, for a process group: two runs side by side must not take the same one."""
     with socket.socket() as s:

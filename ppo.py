@@ -918,10 +918,9 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
         "val/response_length": sums["length"] / sums["responses"],
         "val/num_invalid": sums["responses"] - sums["valid"],
         "lr": lr, "episode": (iteration + 1) * args.batch_size, **times,
-        # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, DeepSpeed
-        # reports the process's peak resident memory for both).
-        "memory/max_allocated_gb": get_accelerator().max_memory_allocated() / 2**30,
-        "memory/max_reserved_gb": get_accelerator().max_memory_reserved() / 2**30,
+        # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, the process's
+        # peak resident memory for both).
+        **{f"memory/{name}": gb for name, gb in plumbing.peak_memory_gb().items()},
     }
     if args.unsup_dataset is not None:  # one micro-batch of blocks per PPO micro-batch, all of the same length
         metrics["loss/unsup_avg"] = sums["unsup_loss"] / (

@@ -8,6 +8,7 @@ The shared bad-input fixture (`bad`), check_stops and write_jsonl live here; the
 
 import ast
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -609,3 +610,16 @@ def test_a_resumed_run_continues_its_metrics_file(tmp_path):
     plumbing.continue_metrics_file(str(path), 3)
     assert path.read_text() == lines[0] + lines[2]
     assert os.listdir(tmp_path) == ["metrics.jsonl"]  # written whole: no temporary file left
+
+
+def test_peak_resident_memory_is_the_process_own():
+    """peak_resident_gb (ppo.py's CPU memory metrics, benchmark.py's peak RSS) is the process's own: started from a
+    process that holds 1.5 GB, a small child reports its own few MB, where wait4's ru_maxrss reports the 1.5 GB."""
+    held = bytearray(1536 * 2**20)
+    held[::4096] = b"\1" * len(held[::4096])  # every page touched: resident
+    code = "import os, sys\n" + inspect.getsource(plumbing.peak_resident_gb) + "print(peak_resident_gb())"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    own = float(child.stdout.read())
+    _, _, rusage = os.wait4(child.pid, 0)
+    assert own < 0.1 and rusage.ru_maxrss / 2**20 > 1.5, (own, rusage.ru_maxrss)
+    del held
