@@ -687,7 +687,8 @@ def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_
                                                 else "check --actor-model-name-or-path and --temperature"))
         if hybrid and iteration == start and not isinstance(error, torch.OutOfMemoryError):  # its first generation
             plumbing.fail(f"DeepSpeed's hybrid engine failed on {type(actor.module).__name__} ({type(error).__name__}: "
-                          f"{error}); its layers are transformers 4's (docs/extras.md): drop --enable-hybrid-engine")
+                          f"{' '.join(str(error).split())}); its layers are transformers 4's (docs/extras.md): drop "
+                          "--enable-hybrid-engine")
         raise  # a lost rank's error, or any other
     actor.train()
     return torch.nn.functional.pad(responses, (0, generation_config.max_new_tokens - responses.shape[1]),
