@@ -485,7 +485,8 @@ def peak_memory_gb() -> dict:
     peak resident memory for both (DeepSpeed's CPU figures are the largest of its own readings of the resident memory,
     which miss the peaks between them)."""
     if get_accelerator().device_name() == "cpu":
-        return {"max_allocated_gb": peak_resident_gb(), "max_reserved_gb": peak_resident_gb()}
+        peak = peak_resident_gb()
+        return {"max_allocated_gb": peak, "max_reserved_gb": peak}
     return {"max_allocated_gb": get_accelerator().max_memory_allocated() / 2**30,
             "max_reserved_gb": get_accelerator().max_memory_reserved() / 2**30}
 
