@@ -412,8 +412,8 @@ def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
     hybrid = functools.partial(ppo.sample_responses, actor, prompt, torch.ones_like(prompt),
                                ppo.sampling_config(tokenizer, 4, 1.0), False, True)
     check_stops([(lambda: hybrid(2, 2), "DeepSpeed's hybrid engine failed on LlamaForCausalLM (AttributeError: 'tuple' "
-                                        "object has no attribute 'size'); its layers are transformers 4's (docs/extras.md): drop "
-                                        "--enable-hybrid-engine")])
+                                        "object has no attribute 'size'); its layers are transformers 4's "
+                                        "(docs/extras.md): drop --enable-hybrid-engine")])
     with pytest.raises(AttributeError):  # after its first generation, the engine worked: any other error stays as is
         hybrid(3, 2)
 
