@@ -270,11 +270,11 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """The logits that predict each response token: [B, P + R] sequences -> [B, R, V].
 
-    The logits at position P - 1 + t predict the token at position P + t, so they are read one position earlier.
-    """
+    The logits at position P - 1 + t predict the token at position P + t, so they are read one position earlier; only
+    positions P - 1 to P + R - 1 go through the output layer (logits_to_keep), none of the prompt's before them."""
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False)
-    return out.logits[:, prompt_len - 1 : -1]
+                use_cache=False, logits_to_keep=sequences.shape[1] - prompt_len + 1)
+    return out.logits[:, :-1]
 
 def sampling_config(tokenizer, max_new_tokens: int, temperature: float) -> GenerationConfig:
     """Plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled distribution
