@@ -736,6 +736,34 @@ def test_benchmark(tmp_path):
         assert ours > 0 and (limit > 0) == (name != "checks, statistics and logging"), (name, profile)
 
 
+def test_processes_take_turns(tmp_path):
+    """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each process runs one
+    iteration in its turn, never two at once, the order turning by one each iteration; each reports its turns' seconds
+    (turn_taker, whose source TRL's process runs too); one that ends early stops the benchmark with its output."""
+    log = tmp_path / "log"
+    code = "import json, os, sys, time\n" + inspect.getsource(benchmark.turn_taker) + (
+        "turn, seconds = turn_taker([int(sys.argv[1]), int(sys.argv[2])])\n"
+        "for iteration in range(4):\n"
+        "    turn()\n"
+        "    if sys.argv[3] == 'fails' and iteration == 1:\n"
+        "        sys.exit('fails at iteration 1')\n"
+        "    with open(sys.argv[4], 'a') as f:\n"
+        "        start = time.time(); time.sleep(0.05); f.write(f'{sys.argv[3]}{iteration} {start} {time.time()}\\n')\n"
+        "print(json.dumps({'seconds': seconds}))\n")
+
+    def start(name):
+        return lambda turns, output: subprocess.Popen([sys.executable, "-c", code, *map(str, turns), name, str(log)],
+                                                      stdout=output, stderr=subprocess.STDOUT, pass_fds=tuple(turns))
+
+    results = benchmark.in_turns({name: start(name) for name in "abc"}, 4)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert [turn for turn, _, _ in lines] == ["a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2", "a3", "b3", "c3"]
+    assert all(float(end) <= float(next_start) for (_, _, end), (_, next_start, _) in zip(lines, lines[1:]))
+    assert all(len(r["seconds"]) == 3 and min(r["seconds"]) >= 0.05 for r in results.values()), results
+    with pytest.raises(SystemExit, match="(?s)fails failed:.*fails at iteration 1"):
+        benchmark.in_turns({name: start(name) for name in ["a", "fails"]}, 4)
+
+
 def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
     """--profile runs ppo.py's main block in the benchmark's own process (exec_ppo_main), before the limit and the
     memory figures: what the block leaves in ppo's namespace (its four engines: tens of GB on a GPU at Pythia-1B's
