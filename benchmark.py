@@ -10,11 +10,12 @@ learning-rate schedule: less work than ppo.py's iteration. Every iteration does 
 full length while any response is open, and a random model samples the EOS, one token in vocab_size + 1, too rarely
 to close all.
 
-A shared CPU's speed drifts by tens of percent within seconds (other machines' work on the same host), so on one rank
-ppo.py and the limit run in two fresh processes that take turns, iteration by iteration, the one waiting frozen
-(SIGSTOP): each iteration of ppo.py is compared with the limit's iteration next to it in time (run_in_turns). Two
-limits taking turns in the same way show how far apart two processes doing the same work come out (--null-rounds). On
-2 ranks, whole runs of ppo.py at each actor ZeRO stage alternate with runs of the limit.
+A shared CPU's speed drifts by tens of percent within seconds (other machines' work on the same host), so ppo.py and
+the limit run in fresh processes that take turns, iteration by iteration, the ones waiting frozen (SIGSTOP): each
+iteration of ppo.py is compared with the limit's iteration next to it in time (in_turns). On one rank, ppo.py and the
+limit (run_in_turns); on 2 ranks, a run of ppo.py at each actor ZeRO stage (two processes each) and the limit of one
+rank's work (two_ranks_in_turns). Two limits taking turns in the same way show how far apart two processes doing the
+same work come out (--null-rounds).
 
     python benchmark.py                       # the default CPU shape (10 to 15 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
@@ -101,7 +102,8 @@ class Args:
     """iterations timed"""
     repeats: int = 5
     """rounds, each with fresh processes: on one rank, ppo.py and the limit taking turns (run_in_turns); on 2 ranks,
-    a run of ppo.py at each actor ZeRO stage, then one of the limit. The table shows medians over all rounds"""
+    a run of ppo.py at each actor ZeRO stage and the limit taking turns (two_ranks_in_turns). The table shows medians
+    over all rounds"""
     null_rounds: int = 2
     """rounds of the limit against a second limit on one rank, taking turns as ppo.py and the limit do: two processes
     doing the same work, whose ratios are the noise of the 1-rank ratios; 0 to skip"""
@@ -144,15 +146,6 @@ def build_models(args: Args, folder: str) -> None:
         for _ in range(args.episodes * (args.warmup_iterations + args.iterations)):
             ids = torch.randint(1, args.vocab_size, (args.prompt_len,), generator=generator)
             f.write(json.dumps({"prompt": " ".join(f"w{i}" for i in ids.tolist())}) + "\n")
-
-
-def build_models_in_own_process(args: Args, folder: str) -> None:
-    """build_models in a new Python process, so that the benchmark's own peak memory stays that of its imports: a
-    process it starts afterwards begins with wait4's ru_maxrss at that peak (plumbing.peak_resident_gb)."""
-    with tempfile.TemporaryFile("w+") as output:
-        if in_own_process("build_models", args, [folder], dict(os.environ), output).wait() != 0:
-            output.seek(0)
-            raise SystemExit(f"benchmark.py: building the models failed:\n{output.read()[-3000:]}")
 
 
 def ppo_flags(args: Args, folder: str, ranks: int, stage: int, exp_name: str, iterations: int) -> list[str]:
@@ -203,24 +196,6 @@ def process_state() -> str:
     env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
     return (f"torch threads {torch.get_num_threads()}, OpenMP/MKL environment {env or 'none'}, "
             f"OS threads {len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'}")
-
-
-def run_ppo(args: Args, folder: str, ranks: int, stage: int) -> dict:
-    """ppo.py's own timings (its metrics file), the median over the timed iterations, and the peak RSS of a rank (at
-    least the benchmark's own when the process started: wait4's ru_maxrss; build_models_in_own_process keeps it low)."""
-    exp_name = f"benchmark_{ranks}ranks_zero{stage}"
-    command = ["ppo.py", *ppo_flags(args, folder, ranks, stage, exp_name, args.warmup_iterations + args.iterations)]
-    if ranks > 1:
-        command = ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", plumbing.free_port(),
-                   *command]
-    process = subprocess.Popen([sys.executable, *command], env=rank_env(ranks), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    output = process.stdout.read()
-    # wait4 gives the rusage of the finished process tree: ru_maxrss is the peak of its largest process, in KiB.
-    _, status, rusage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"benchmark.py: ppo.py failed ({' '.join(command)}):\n{output[-3000:]}")
-    return {**summary(args, metrics_of_run(exp_name)[args.warmup_iterations:]), "peak_rss_gb": rusage.ru_maxrss / 2**20}
 
 
 def summary(args: Args, timed: list[dict]) -> dict:
@@ -402,19 +377,11 @@ def last_json_line(output, what: str) -> dict:
         raise SystemExit(f"benchmark.py: {what} failed:\n{text[-3000:]}") from None
 
 
-def run_limit(args: Args, folder: str, ranks: int, turns: list[int] | None = None) -> None:
-    """time_limit, printed as JSON with this process's state; with turns (run_in_turns), one iteration per turn."""
-    turn, _ = turn_taker(turns) if turns is not None else (None, [])
-    print(json.dumps({**time_limit(args, folder, ranks, turn=turn), "state": process_state(),
+def run_limit(args: Args, folder: str, ranks: int, turns: list[int]) -> None:
+    """time_limit of one of `ranks` ranks, one iteration per turn (in_turns), printed as JSON with this process's
+    state."""
+    print(json.dumps({**time_limit(args, folder, ranks, turn=turn_taker(turns)[0]), "state": process_state(),
                       "peak_rss_gb": plumbing.peak_resident_gb()}))
-
-
-def time_limit_in_own_process(args: Args, folder: str, ranks: int) -> dict:
-    """time_limit in a new Python process with the environment of one of `ranks` ranks."""
-    with tempfile.TemporaryFile("w+") as output:
-        process = in_own_process("run_limit", args, [folder, ranks], rank_env(ranks), output)
-        process.wait()
-        return last_json_line(output, "the limit")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,44 +406,48 @@ def turn_taker(turns: list[int]):
     return turn, seconds
 
 
-def in_turns(starts: dict, iterations: int) -> dict[str, dict]:
-    """Processes that take turns, one iteration each, the order turning by one each iteration (with two: the first
-    one first in even iterations, the other in odd ones). The ones waiting are frozen (SIGSTOP), so that nothing of
-    them (their spinning OpenMP workers, their threads) runs in another's turn. starts: name -> a function that starts
-    the process given its two pipes' file descriptors (read, write) for turn_taker and its output file. Returns the
-    JSON that each printed last."""
-    sides = {}
+def in_turns(starts: dict[str, list], iterations: int) -> dict[str, list[dict]]:
+    """Sides that take turns, one iteration each, the order turning by one each iteration (with two: the first one
+    first in even iterations, the other in odd ones). A side is one process, or the ranks of one run, which go on and
+    stop together. The sides waiting are frozen (SIGSTOP), so that nothing of them (their spinning OpenMP workers,
+    their threads) runs in another's turn. starts: name -> the functions that start the side's processes, each given
+    its two pipes' file descriptors (read, write) for turn_taker and its output file. Returns the JSON that each
+    process printed last, by side."""
+    sides = {name: [] for name in starts}
 
     def failed(name: str):
-        process, _, _, output = sides[name]
-        process.wait()
-        output.seek(0)
-        return SystemExit(f"benchmark.py: {name} failed:\n{output.read()[-3000:]}")
+        for process, _, _, output in sides[name]:
+            if process.wait() != 0:
+                output.seek(0)
+                return SystemExit(f"benchmark.py: {name} failed:\n{output.read()[-3000:]}")
+        return SystemExit(f"benchmark.py: {name} ended before its last turn")
 
     try:
-        for name, start in starts.items():
-            go_read, go_write = os.pipe()
-            done_read, done_write = os.pipe()
-            output = tempfile.TemporaryFile("w+")
-            sides[name] = (start([go_read, done_write], output), go_write, done_read, output)
-            os.close(go_read), os.close(done_write)
+        for name, side_starts in starts.items():
+            for start in side_starts:
+                go_read, go_write = os.pipe()
+                done_read, done_write = os.pipe()
+                output = tempfile.TemporaryFile("w+")
+                sides[name].append((start([go_read, done_write], output), go_write, done_read, output))
+                os.close(go_read), os.close(done_write)
         names = list(sides)
         for iteration in range(iterations):
             for name in names[iteration % len(names):] + names[:iteration % len(names)]:
-                process, go, done, output = sides[name]
-                os.kill(process.pid, signal.SIGCONT)
-                os.write(go, b"g")
-                if os.read(done, 1) != b"d":  # the end of its output: the process ended
-                    if iteration < iterations - 1:
+                for process, go, _, _ in sides[name]:
+                    os.kill(process.pid, signal.SIGCONT)
+                    os.write(go, b"g")
+                if [os.read(done, 1) for _, _, done, _ in sides[name]] != [b"d"] * len(sides[name]):
+                    if iteration < iterations - 1:  # the end of an output: a process ended before its last turn
                         raise failed(name)
                     continue
-                os.kill(process.pid, signal.SIGSTOP)
-        for name, (process, _, _, output) in sides.items():
-            if process.wait() != 0:
+                for process, _, _, _ in sides[name]:
+                    os.kill(process.pid, signal.SIGSTOP)
+        for name, side in sides.items():
+            if any(process.wait() != 0 for process, _, _, _ in side):
                 raise failed(name)
-        return {name: last_json_line(output, name) for name, (_, _, _, output) in sides.items()}
+        return {name: [last_json_line(output, name) for _, _, _, output in side] for name, side in sides.items()}
     finally:
-        for process, go, done, output in sides.values():
+        for process, go, done, output in [process for side in sides.values() for process in side]:
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
@@ -485,16 +456,21 @@ def in_turns(starts: dict, iterations: int) -> dict[str, dict]:
 
 def ppo_in_turns(args: Args, flags: list[str], turns: list[int]) -> None:
     """ppo.py's main block with these flags in this fresh process (exec_ppo_main), one iteration per turn: the wait
-    comes where an iteration starts, before its prompts, outside ppo.py's own timings."""
+    comes where an iteration starts, before its prompts, outside ppo.py's own timings. It prints its JSON where the run
+    ends (plumbing.end_run, after which a rank of several exits)."""
     turn, seconds = turn_taker(turns)
-    prompts_of_iteration = ppo.prompts_of_iteration
+    prompts_of_iteration, end_run = ppo.prompts_of_iteration, plumbing.end_run
 
     def in_turn(prompts, iteration, *a, **k):
         turn()
         return prompts_of_iteration(prompts, iteration, *a, **k)
 
-    exec_ppo_main(flags, {(ppo, "prompts_of_iteration"): in_turn})
-    print(json.dumps({"seconds": seconds, "state": process_state(), "peak_rss_gb": plumbing.peak_resident_gb()}))
+    def report_and_end_run():
+        print(json.dumps({"seconds": seconds, "state": process_state(), "peak_rss_gb": plumbing.peak_resident_gb()}),
+              flush=True)
+        end_run()
+
+    exec_ppo_main(flags, {(ppo, "prompts_of_iteration"): in_turn, (plumbing, "end_run"): report_and_end_run})
 
 
 def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple[list[dict], list[dict], dict]:
@@ -505,17 +481,38 @@ def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple
     exp_name, iterations = "benchmark_1rank_zero0", args.warmup_iterations + args.iterations
     first = ("second limit", "run_limit", [folder, 1]) if against_itself else (
         "ppo.py", "ppo_in_turns", [ppo_flags(args, folder, 1, 0, exp_name, iterations)])
-    results = in_turns({name: functools.partial(start_in_own_process, function, args, arguments)
+    results = in_turns({name: [functools.partial(start_in_own_process, function, args, arguments)]
                         for name, function, arguments in [first, ("limit", "run_limit", [folder, 1])]}, iterations)
+    results = {name: result for name, [result] in results.items()}
     first_timed = results[first[0]]["timed"] if against_itself else metrics_of_run(exp_name)[args.warmup_iterations:]
     return first_timed, results["limit"]["timed"], \
         {"state": {name: result["state"] for name, result in results.items()},
          "peak_rss_gb": results[first[0]]["peak_rss_gb"]}
 
 
-def start_in_own_process(function: str, args: Args, arguments: list, turns: list[int], output) -> subprocess.Popen:
-    """benchmark.FUNCTION(args, *arguments, turns) in a fresh process of one rank (in_own_process), for in_turns."""
-    return in_own_process(function, args, [*arguments, turns], rank_env(1), output, pass_fds=tuple(turns))
+def two_ranks_in_turns(args: Args, folder: str) -> tuple[dict[int, list[dict]], list[dict], dict[int, float]]:
+    """One round on 2 ranks: a run of ppo.py at each actor ZeRO stage of --two-rank-stages (two fresh processes
+    each, one per rank, started as torchrun starts ranks) and the limit of one rank's work, taking turns (in_turns).
+    Returns each stage's timed iterations (rank 0's metrics), the limit's, and each stage's peak RSS (its larger
+    rank's)."""
+    iterations, starts = args.warmup_iterations + args.iterations, {}
+    for stage in args.two_rank_stages:
+        flags, port = ppo_flags(args, folder, 2, stage, f"benchmark_2ranks_zero{stage}", iterations), plumbing.free_port()
+        starts[stage] = [functools.partial(start_in_own_process, "ppo_in_turns", args, [flags], env={
+            **rank_env(2), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port}) for rank in range(2)]
+    starts["limit"] = [functools.partial(start_in_own_process, "run_limit", args, [folder, 2], env=rank_env(2))]
+    results = in_turns(starts, iterations)
+    return ({stage: metrics_of_run(f"benchmark_2ranks_zero{stage}")[args.warmup_iterations:]
+             for stage in args.two_rank_stages}, results["limit"][0]["timed"],
+            {stage: max(rank["peak_rss_gb"] for rank in results[stage]) for stage in args.two_rank_stages})
+
+
+def start_in_own_process(function: str, args: Args, arguments: list, turns: list[int], output,
+                         env: dict | None = None) -> subprocess.Popen:
+    """benchmark.FUNCTION(args, *arguments, turns) in a fresh process (in_own_process) with env, by default one rank's,
+    for in_turns."""
+    return in_own_process(function, args, [*arguments, turns], env or rank_env(1), output, pass_fds=tuple(turns))
 
 
 def metrics_of_run(exp_name: str) -> list[dict]:
@@ -684,15 +681,15 @@ def against_trl(args: Args) -> None:
         write_trl_prompts_as_text(work_dir)
         print("| round | " + " | ".join(f"{name} episodes/s" for name in names) + " |\n|---|---|---|---|", flush=True)
         for round_number in range(1, args.repeats + 1):
-            starts = {"ppo.py": functools.partial(start_in_own_process, "ppo_in_turns", args,
-                                                  [ppo_flags_on_trl_models(args, work_dir, iterations)])}
+            starts = {"ppo.py": [functools.partial(start_in_own_process, "ppo_in_turns", args,
+                                                   [ppo_flags_on_trl_models(args, work_dir, iterations)])]}
             for name, gc_freeze, own_dir in [("TRL, gc.freeze()", True, "trl_gc_freeze"),
                                              ("TRL as shipped", False, "trl_as_shipped")]:  # same models, rebuilt
-                starts[name] = functools.partial(start_trl_in_turns, args, os.path.join(work_dir, own_dir), iterations,
-                                                 gc_freeze)
+                starts[name] = [functools.partial(start_trl_in_turns, args, os.path.join(work_dir, own_dir),
+                                                  iterations, gc_freeze)]
             results = in_turns(starts, iterations)
             for name in names:
-                seconds[name].append(results[name]["seconds"][args.warmup_iterations:])
+                seconds[name].append(results[name][0]["seconds"][args.warmup_iterations:])
             print(f"| {round_number} | " + " | ".join(f"{args.episodes / statistics.median(seconds[name][-1]):.1f}"
                                                       for name in names) + " |", flush=True)
     pairs = {name: [(p, t) for ppo_round, trl_round in zip(seconds["ppo.py"], seconds[name])
@@ -736,12 +733,15 @@ def print_profile(ppo_profile: dict, limit: dict) -> None:
         print(f"| {name} | {ours:.4f} | {limit_s:.4f} | {ours - limit_s:+.4f} |")
 
 
-def table_row(args: Args, config: str, measured: dict, limit: dict, ratios: dict | None = None) -> dict:
-    """One configuration's row: ppo.py's median times (summary), the limit's, their ratios (by default the ratio of
-    the medians), throughput and memory."""
+def paired_row(args: Args, config: str, pairs: list[tuple[dict, dict]], peak_rss_gb: float) -> dict:
+    """One configuration's row from pairs of an iteration of ppo.py (its metrics) and the limit's next to it in time:
+    the median times of each, the medians of the pairs' ratios, throughput and memory."""
+    measured = {**summary(args, [m for m, _ in pairs]), "peak_rss_gb": peak_rss_gb}
+    limit = {key: statistics.median(l[key] for _, l in pairs) for key in ["rollout", "update"]}
+    ratios = {key: statistics.median(m[f"time/{key}"] / l[key] for m, l in pairs) for key in ["rollout", "update"]}
+    ratios["iteration"] = statistics.median((m["time/rollout"] + m["time/update"]) / (l["rollout"] + l["update"])
+                                            for m, l in pairs)
     iteration, limit_iteration = measured["rollout"] + measured["update"], limit["rollout"] + limit["update"]
-    ratios = ratios or {"rollout": measured["rollout"] / limit["rollout"], "update": measured["update"] / limit["update"],
-                        "iteration": iteration / limit_iteration}
     return {"config": config, "rollout_s": measured["rollout"], "rollout_limit_s": limit["rollout"],
             "update_s": measured["update"], "update_limit_s": limit["update"], "iteration_s": iteration,
             "iteration_limit_s": limit_iteration, **{f"{key}_ratio": value for key, value in ratios.items()},
@@ -807,8 +807,8 @@ if __name__ == "__main__":
             print_profile(ppo_profile, time_limit(args, folder, 1, profile=True))
         raise SystemExit(0)
     with tempfile.TemporaryDirectory() as folder:
-        build_models_in_own_process(args, folder)
-        one_rank, states, two_ranks, limits, null = [], [], {stage: [] for stage in args.two_rank_stages}, [], []
+        build_models(args, folder)
+        one_rank, states, two_ranks, null = [], [], [], []
         for round_number in range(1, args.repeats + 1):
             print(f"round {round_number}/{args.repeats}: ppo.py and the limit on 1 rank, taking turns ...", flush=True)
             ppo_timed, limit_timed, state = run_in_turns(args, folder)
@@ -820,25 +820,18 @@ if __name__ == "__main__":
                 second, limit_timed, _ = run_in_turns(args, folder, against_itself=True)
                 null.append([(s["rollout"] + s["update"], l["rollout"] + l["update"])
                              for s, l in zip(second, limit_timed)])
-            for stage in args.two_rank_stages:
-                print(f"round {round_number}/{args.repeats}: ppo.py, 2 ranks, actor ZeRO-{stage} ...", flush=True)
-                two_ranks[stage].append(run_ppo(args, folder, 2, stage))
             if args.two_rank_stages:
-                print(f"round {round_number}/{args.repeats}: the limit, the work of one of 2 ranks ...", flush=True)
-                limits.append(time_limit_in_own_process(args, folder, 2))
-        # One rank: each iteration of ppo.py against the limit's next to it in time, the median of those ratios.
+                print(f"round {round_number}/{args.repeats}: ppo.py on 2 ranks at actor ZeRO stages "
+                      f"{args.two_rank_stages} and the limit of one rank's work, taking turns ...", flush=True)
+                two_ranks.append(two_ranks_in_turns(args, folder))
+        # Each iteration of ppo.py against the limit's next to it in time; the medians of those ratios.
         pairs = [(m, l) for ppo_timed, limit_timed, _ in one_rank for m, l in zip(ppo_timed, limit_timed)]
-        measured = {**summary(args, [m for m, _ in pairs]), "peak_rss_gb": max(rss for _, _, rss in one_rank)}
-        limit = {key: statistics.median(l[key] for _, l in pairs) for key in ["rollout", "update"]}
-        ratios = {key: statistics.median(m[f"time/{key}"] / l[key] for m, l in pairs) for key in ["rollout", "update"]}
-        ratios["iteration"] = statistics.median((m["time/rollout"] + m["time/update"]) / (l["rollout"] + l["update"])
-                                                for m, l in pairs)
-        rows = [table_row(args, "1 rank, actor ZeRO-0", measured, limit, ratios)]
-        # 2 ranks: medians over whole runs, ppo.py's against the limit's.
-        for stage, measured_runs in two_ranks.items():
-            measured = {key: statistics.median(m[key] for m in measured_runs) for key in measured_runs[0]}
-            limit = {key: statistics.median(m[key] for m in limits) for key in ["rollout", "update"]}
-            rows.append(table_row(args, f"2 ranks, actor ZeRO-{stage}", measured, limit))
+        rows = [paired_row(args, "1 rank, actor ZeRO-0", pairs, max(rss for _, _, rss in one_rank))]
+        two_rank_pairs = {stage: [(m, l) for timed, limit_timed, _ in two_ranks for m, l in zip(timed[stage], limit_timed)]
+                          for stage in args.two_rank_stages}
+        for stage, stage_pairs in two_rank_pairs.items():
+            rows.append(paired_row(args, f"2 ranks, actor ZeRO-{stage}", stage_pairs,
+                                   max(rss[stage] for _, _, rss in two_ranks)))
 
         print("the profile: ppo.py's main block and the limit in this process, phase by phase ...", flush=True)
         ppo_profile, limit_profile = profile_ppo(args, folder), time_limit(args, folder, 1, profile=True)
@@ -868,19 +861,23 @@ if __name__ == "__main__":
     print("\n| model (one rank, ZeRO-0, fp32) | parameters MB | gradients MB | optimizer state MB |\n|---|---|---|---|")
     for m in memory:
         print(f"| {m['model']} | {m['parameters_mb']:.2f} | {m['gradients_mb']:.2f} | {m['optimizer_state_mb']:.2f} |")
-    by_config = {r["config"]: r for r in rows}
-    if "2 ranks, actor ZeRO-0" in by_config:
-        zero0 = by_config["2 ranks, actor ZeRO-0"]
+    if 0 in args.two_rank_stages:
         print()
-        for stage in [s for s in args.two_rank_stages if s != 0]:
-            r = by_config[f"2 ranks, actor ZeRO-{stage}"]
-            print(f"actor ZeRO-{stage} / ZeRO-0 on 2 ranks: rollout {r['rollout_s'] / zero0['rollout_s']:.2f}, "
-                  f"update {r['update_s'] / zero0['update_s']:.2f}, "
-                  f"iteration {r['iteration_s'] / zero0['iteration_s']:.2f}")
+        for stage in [s for s in args.two_rank_stages if s != 0]:  # each iteration against ZeRO-0's next to it
+            stage_pairs = [(m, z) for timed, _, _ in two_ranks for m, z in zip(timed[stage], timed[0])]
+            ratio = {key: statistics.median(m[f"time/{key}"] / z[f"time/{key}"] for m, z in stage_pairs)
+                     for key in ["rollout", "update"]}
+            ratio["iteration"] = statistics.median((m["time/rollout"] + m["time/update"]) /
+                                                   (z["time/rollout"] + z["time/update"]) for m, z in stage_pairs)
+            print(f"actor ZeRO-{stage} / ZeRO-0 on 2 ranks, the median over {len(stage_pairs)} pairs of iterations "
+                  f"next to each other in time: rollout {ratio['rollout']:.2f}, update {ratio['update']:.2f}, "
+                  f"iteration {ratio['iteration']:.2f}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
         json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory, "state": states,
                    "pairs": [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"]) for m, l in pairs],
+                   "two_rank_pairs": {stage: [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"])
+                                              for m, l in stage_pairs] for stage, stage_pairs in two_rank_pairs.items()},
                    "null_pairs": null,
                    "profile": {"ppo.py": ppo_profile, "limit": limit_profile}}, f, indent=2)
     print(f"wrote {args.output_json}")

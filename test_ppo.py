@@ -709,6 +709,9 @@ def test_benchmark(tmp_path):
     assert "each ratio is the median over 2 pairs of an iteration of ppo.py and the limit's" in table
     assert len(result["pairs"]) == 2 and result["rows"][0]["iteration_ratio"] == statistics.median(
         ppo_s / limit_s for ppo_s, limit_s in result["pairs"])
+    [zero3_pairs] = result["two_rank_pairs"].values()  # and so did the two ranks of ZeRO-3 and the limit
+    assert len(zero3_pairs) == 2 and result["rows"][1]["iteration_ratio"] == statistics.median(
+        ppo_s / limit_s for ppo_s, limit_s in zero3_pairs)
     # The noise of those ratios: the limit against a second limit, taking turns in the same way.
     [null] = result["null_pairs"]
     ratio = statistics.median(second_s / limit_s for second_s, limit_s in null)
@@ -737,9 +740,10 @@ def test_benchmark(tmp_path):
 
 
 def test_processes_take_turns(tmp_path):
-    """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each process runs one
-    iteration in its turn, never two at once, the order turning by one each iteration; each reports its turns' seconds
-    (turn_taker, whose source TRL's process runs too); one that ends early stops the benchmark with its output."""
+    """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each side (one process, or
+    the two ranks of a run, which go together) runs one iteration in its turn, never two sides at once, the order
+    turning by one each iteration; each process reports its turns' seconds (turn_taker, whose source TRL's process
+    runs too); one that ends early stops the benchmark with its output."""
     log = tmp_path / "log"
     code = "import json, os, sys, time\n" + inspect.getsource(benchmark.turn_taker) + (
         "turn, seconds = turn_taker([int(sys.argv[1]), int(sys.argv[2])])\n"
@@ -747,21 +751,27 @@ def test_processes_take_turns(tmp_path):
         "    turn()\n"
         "    if sys.argv[3] == 'fails' and iteration == 1:\n"
         "        sys.exit('fails at iteration 1')\n"
+        "    start = time.time(); time.sleep(0.05)\n"
         "    with open(sys.argv[4], 'a') as f:\n"
-        "        start = time.time(); time.sleep(0.05); f.write(f'{sys.argv[3]}{iteration} {start} {time.time()}\\n')\n"
+        "        f.write(f'{sys.argv[3][0]}{iteration} {start} {time.time()}\\n')\n"
         "print(json.dumps({'seconds': seconds}))\n")
 
     def start(name):
         return lambda turns, output: subprocess.Popen([sys.executable, "-c", code, *map(str, turns), name, str(log)],
                                                       stdout=output, stderr=subprocess.STDOUT, pass_fds=tuple(turns))
 
-    results = benchmark.in_turns({name: start(name) for name in "abc"}, 4)
-    lines = [line.split() for line in log.read_text().splitlines()]
-    assert [turn for turn, _, _ in lines] == ["a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2", "a3", "b3", "c3"]
-    assert all(float(end) <= float(next_start) for (_, _, end), (_, next_start, _) in zip(lines, lines[1:]))
-    assert all(len(r["seconds"]) == 3 and min(r["seconds"]) >= 0.05 for r in results.values()), results
+    results = benchmark.in_turns({"a": [start("a")], "b": [start("b rank 0"), start("b rank 1")], "c": [start("c")]},
+                                 4)
+    turns = [(name, float(begin), float(end)) for name, begin, end in
+             sorted((line.split() for line in log.read_text().splitlines()), key=lambda line: float(line[1]))]
+    assert [name for name, _, _ in turns] == ["a0", "b0", "b0", "c0", "b1", "b1", "c1", "a1", "c2", "a2", "b2", "b2",
+                                              "a3", "b3", "b3", "c3"]
+    assert all(name == later or end <= later_begin  # b's two ranks run together, no other two sides
+               for i, (name, _, end) in enumerate(turns) for later, later_begin, _ in turns[i + 1:]), turns
+    assert [len(side) for side in results.values()] == [1, 2, 1]
+    assert all(len(r["seconds"]) == 3 and min(r["seconds"]) >= 0.05 for side in results.values() for r in side)
     with pytest.raises(SystemExit, match="(?s)fails failed:.*fails at iteration 1"):
-        benchmark.in_turns({name: start(name) for name in ["a", "fails"]}, 4)
+        benchmark.in_turns({"a": [start("a")], "fails": [start("fails")]}, 4)
 
 
 def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
