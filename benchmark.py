@@ -447,7 +447,7 @@ def in_turns(starts: dict[str, list], iterations: int) -> dict[str, list[dict]]:
                 raise failed(name)
         return {name: [last_json_line(output, name) for _, _, _, output in side] for name, side in sides.items()}
     finally:
-        for process, go, done, output in [process for side in sides.values() for process in side]:
+        for process, go, done, output in [entry for side in sides.values() for entry in side]:
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
