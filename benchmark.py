@@ -417,7 +417,9 @@ def in_turns(starts: dict[str, list], iterations: int) -> dict[str, list[dict]]:
 
     def failed(name: str):
         for process, _, _, output in sides[name]:
-            if process.wait() != 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a rank that outlived its peer may wait for a turn
+                process.wait(timeout=2)
+            if process.returncode not in (None, 0):
                 output.seek(0)
                 return SystemExit(f"benchmark.py: {name} failed:\n{output.read()[-3000:]}")
         return SystemExit(f"benchmark.py: {name} ended before its last turn")
@@ -497,7 +499,8 @@ def two_ranks_in_turns(args: Args, folder: str) -> tuple[dict[int, list[dict]], 
     rank's)."""
     iterations, starts = args.warmup_iterations + args.iterations, {}
     for stage in args.two_rank_stages:
-        flags, port = ppo_flags(args, folder, 2, stage, f"benchmark_2ranks_zero{stage}", iterations), plumbing.free_port()
+        flags = ppo_flags(args, folder, 2, stage, f"benchmark_2ranks_zero{stage}", iterations)
+        port = plumbing.free_port()
         starts[stage] = [functools.partial(start_in_own_process, "ppo_in_turns", args, [flags], env={
             **rank_env(2), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port}) for rank in range(2)]
@@ -827,8 +830,8 @@ if __name__ == "__main__":
         # Each iteration of ppo.py against the limit's next to it in time; the medians of those ratios.
         pairs = [(m, l) for ppo_timed, limit_timed, _ in one_rank for m, l in zip(ppo_timed, limit_timed)]
         rows = [paired_row(args, "1 rank, actor ZeRO-0", pairs, max(rss for _, _, rss in one_rank))]
-        two_rank_pairs = {stage: [(m, l) for timed, limit_timed, _ in two_ranks for m, l in zip(timed[stage], limit_timed)]
-                          for stage in args.two_rank_stages}
+        two_rank_pairs = {stage: [(m, l) for timed, limit_timed, _ in two_ranks
+                                  for m, l in zip(timed[stage], limit_timed)] for stage in args.two_rank_stages}
         for stage, stage_pairs in two_rank_pairs.items():
             rows.append(paired_row(args, f"2 ranks, actor ZeRO-{stage}", stage_pairs,
                                    max(rss[stage] for _, _, rss in two_ranks)))

@@ -743,7 +743,7 @@ def test_processes_take_turns(tmp_path):
     """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each side (one process, or
     the two ranks of a run, which go together) runs one iteration in its turn, never two sides at once, the order
     turning by one each iteration; each process reports its turns' seconds (turn_taker, whose source TRL's process
-    runs too); one that ends early stops the benchmark with its output."""
+    runs too); one that ends early stops the benchmark with its output, also while the other rank of its run waits."""
     log = tmp_path / "log"
     code = "import json, os, sys, time\n" + inspect.getsource(benchmark.turn_taker) + (
         "turn, seconds = turn_taker([int(sys.argv[1]), int(sys.argv[2])])\n"
@@ -770,8 +770,8 @@ def test_processes_take_turns(tmp_path):
                for i, (name, _, end) in enumerate(turns) for later, later_begin, _ in turns[i + 1:]), turns
     assert [len(side) for side in results.values()] == [1, 2, 1]
     assert all(len(r["seconds"]) == 3 and min(r["seconds"]) >= 0.05 for side in results.values() for r in side)
-    with pytest.raises(SystemExit, match="(?s)fails failed:.*fails at iteration 1"):
-        benchmark.in_turns({"a": [start("a")], "fails": [start("fails")]}, 4)
+    with pytest.raises(SystemExit, match="(?s)b failed:.*fails at iteration 1"):  # its other rank waits for a turn
+        benchmark.in_turns({"a": [start("a")], "b": [start("b rank 0"), start("fails")]}, 4)
 
 
 def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
