@@ -386,7 +386,7 @@ def run_limit(args: Args, folder: str, ranks: int, turns: list[int]) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Turns: fresh processes that take turns, one iteration each, the others frozen: on one rank ppo.py and the limit;
-# against TRL, ppo.py and TRL's trainer.
+# on 2 ranks a run at each actor ZeRO stage and the limit; against TRL, ppo.py and TRL's trainer.
 # ---------------------------------------------------------------------------------------------------------------
 def turn_taker(turns: list[int]):
     """In a process that takes turns (in_turns): the function to call where each iteration starts, which says that
@@ -736,14 +736,26 @@ def print_profile(ppo_profile: dict, limit: dict) -> None:
         print(f"| {name} | {ours:.4f} | {limit_s:.4f} | {ours - limit_s:+.4f} |")
 
 
+def ppo_times(metrics: dict) -> dict:
+    """The rollout and update seconds of an iteration of ppo.py (its metrics), named as the limit's."""
+    return {"rollout": metrics["time/rollout"], "update": metrics["time/update"]}
+
+
+def median_ratios(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
+    """Pairs of iterations next to each other in time, each {"rollout": s, "update": s}: the medians of the pairs'
+    ratios of rollout, update and iteration (their sum)."""
+    ratios = {key: statistics.median(a[key] / b[key] for a, b in pairs) for key in ["rollout", "update"]}
+    ratios["iteration"] = statistics.median((a["rollout"] + a["update"]) / (b["rollout"] + b["update"])
+                                            for a, b in pairs)
+    return ratios
+
+
 def paired_row(args: Args, config: str, pairs: list[tuple[dict, dict]], peak_rss_gb: float) -> dict:
     """One configuration's row from pairs of an iteration of ppo.py (its metrics) and the limit's next to it in time:
     the median times of each, the medians of the pairs' ratios, throughput and memory."""
     measured = {**summary(args, [m for m, _ in pairs]), "peak_rss_gb": peak_rss_gb}
     limit = {key: statistics.median(l[key] for _, l in pairs) for key in ["rollout", "update"]}
-    ratios = {key: statistics.median(m[f"time/{key}"] / l[key] for m, l in pairs) for key in ["rollout", "update"]}
-    ratios["iteration"] = statistics.median((m["time/rollout"] + m["time/update"]) / (l["rollout"] + l["update"])
-                                            for m, l in pairs)
+    ratios = median_ratios([(ppo_times(m), l) for m, l in pairs])
     iteration, limit_iteration = measured["rollout"] + measured["update"], limit["rollout"] + limit["update"]
     return {"config": config, "rollout_s": measured["rollout"], "rollout_limit_s": limit["rollout"],
             "update_s": measured["update"], "update_limit_s": limit["update"], "iteration_s": iteration,
@@ -867,11 +879,9 @@ if __name__ == "__main__":
     if 0 in args.two_rank_stages:
         print()
         for stage in [s for s in args.two_rank_stages if s != 0]:  # each iteration against ZeRO-0's next to it
-            stage_pairs = [(m, z) for timed, _, _ in two_ranks for m, z in zip(timed[stage], timed[0])]
-            ratio = {key: statistics.median(m[f"time/{key}"] / z[f"time/{key}"] for m, z in stage_pairs)
-                     for key in ["rollout", "update"]}
-            ratio["iteration"] = statistics.median((m["time/rollout"] + m["time/update"]) /
-                                                   (z["time/rollout"] + z["time/update"]) for m, z in stage_pairs)
+            stage_pairs = [(ppo_times(m), ppo_times(z)) for timed, _, _ in two_ranks
+                           for m, z in zip(timed[stage], timed[0])]
+            ratio = median_ratios(stage_pairs)
             print(f"actor ZeRO-{stage} / ZeRO-0 on 2 ranks, the median over {len(stage_pairs)} pairs of iterations "
                   f"next to each other in time: rollout {ratio['rollout']:.2f}, update {ratio['update']:.2f}, "
                   f"iteration {ratio['iteration']:.2f}")
