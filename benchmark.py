@@ -652,13 +652,13 @@ def start_trl_in_turns(args: Args, work_dir: str, iterations: int, gc_freeze: bo
 def ppo_flags_on_trl_models(args: Args, work_dir: str, iterations: int) -> list[str]:
     """ppo.py on TRL's models (policy, reward model, value model as the critic) and prompts (as text,
     write_trl_prompts_as_text), with TRL's settings where ppo.py's defaults differ (temperature, KL coefficient,
-    learning rates)."""
+    learning rates, and no gradient clipping: TRL's PPOTrainer clips none)."""
     return [*ppo_flags(args, work_dir, 1, 0, "benchmark_on_trl_models", iterations),
             "--actor-model-name-or-path", os.path.join(work_dir, "policy"),
             "--reward-model-name-or-path", os.path.join(work_dir, "reward_model"),
             "--critic-model-name-or-path", os.path.join(work_dir, "value_model"),
             "--dataset", os.path.join(work_dir, "prompts_text.jsonl"), "--temperature", "0.7", "--kl-coef", "0.05",
-            "--actor-learning-rate", "3e-6", "--critic-learning-rate", "3e-6"]
+            "--actor-learning-rate", "3e-6", "--critic-learning-rate", "3e-6", "--gradient-clipping", "0"]
 
 
 def write_trl_prompts_as_text(work_dir: str) -> None:

@@ -112,7 +112,7 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay of actor and critic"""
     gradient_clipping: float = 1.0
-    """clip each trained model's gradient norm to this"""
+    """clip each trained model's gradient norm to this (0: no clipping)"""
     kl_coef: NonNegativeFloat = 0.1
     """beta, the coefficient of the per-token KL penalty (the initial value, with --target-kl)"""
     target_kl: Annotated[float | None, "be positive"] = None
