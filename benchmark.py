@@ -750,6 +750,12 @@ def median_ratios(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
     return ratios
 
 
+def against_zero0(two_ranks: list[tuple[dict, list, dict]], stage: int) -> list[tuple[dict, dict]]:
+    """On 2 ranks (rounds of two_ranks_in_turns), each iteration of ppo.py at an actor ZeRO stage with ZeRO-0's next to
+    it in time, the same round's iteration of the same index: pairs of their rollout and update seconds."""
+    return [(ppo_times(m), ppo_times(z)) for timed, _, _ in two_ranks for m, z in zip(timed[stage], timed[0])]
+
+
 def paired_row(args: Args, config: str, pairs: list[tuple[dict, dict]], peak_rss_gb: float) -> dict:
     """One configuration's row from pairs of an iteration of ppo.py (its metrics) and the limit's next to it in time:
     the median times of each, the medians of the pairs' ratios, throughput and memory."""
@@ -879,8 +885,7 @@ if __name__ == "__main__":
     if 0 in args.two_rank_stages:
         print()
         for stage in [s for s in args.two_rank_stages if s != 0]:  # each iteration against ZeRO-0's next to it
-            stage_pairs = [(ppo_times(m), ppo_times(z)) for timed, _, _ in two_ranks
-                           for m, z in zip(timed[stage], timed[0])]
+            stage_pairs = against_zero0(two_ranks, stage)
             ratio = median_ratios(stage_pairs)
             print(f"actor ZeRO-{stage} / ZeRO-0 on 2 ranks, the median over {len(stage_pairs)} pairs of iterations "
                   f"next to each other in time: rollout {ratio['rollout']:.2f}, update {ratio['update']:.2f}, "

@@ -739,6 +739,18 @@ def test_benchmark(tmp_path):
         assert ours > 0 and (limit > 0) == (name != "checks, statistics and logging"), (name, profile)
 
 
+def test_zero_stages_over_zero0_pair_iterations_next_to_each_other():
+    """The 2-rank line "actor ZeRO-k / ZeRO-0": each iteration at ZeRO-k over ZeRO-0's of the same round and index
+    (they took turns), then the medians of the pairs' ratios (test_benchmark runs one stage only, so no such line)."""
+    def times(rollout, update):
+        return {"time/rollout": rollout, "time/update": update}
+    rounds = [({0: [times(1, 2), times(4, 4)], 3: [times(2, 2), times(4, 12)]}, [], {}),
+              ({0: [times(1, 1)], 3: [times(10, 20)]}, [], {})]
+    # ZeRO-3 over ZeRO-0, pair by pair: rollout 2/1, 4/4, 10/1; update 2/2, 12/4, 20/1; iteration 4/3, 16/8, 30/2.
+    assert benchmark.median_ratios(benchmark.against_zero0(rounds, 3)) == {
+        "rollout": 2.0, "update": 3.0, "iteration": 2.0}
+
+
 def test_processes_take_turns(tmp_path):
     """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each side (one process, or
     the two ranks of a run, which go together) runs one iteration in its turn, never two sides at once, the order
