@@ -756,6 +756,11 @@ def against_zero0(two_ranks: list[tuple[dict, list, dict]], stage: int) -> list[
     return [(ppo_times(m), ppo_times(z)) for timed, _, _ in two_ranks for m, z in zip(timed[stage], timed[0])]
 
 
+def iteration_seconds(pairs: list[tuple[dict, dict]]) -> list[tuple[float, float]]:
+    """Pairs of an iteration of ppo.py (its metrics) and the limit's as their iteration seconds, for the JSON."""
+    return [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"]) for m, l in pairs]
+
+
 def paired_row(args: Args, config: str, pairs: list[tuple[dict, dict]], peak_rss_gb: float) -> dict:
     """One configuration's row from pairs of an iteration of ppo.py (its metrics) and the limit's next to it in time:
     the median times of each, the medians of the pairs' ratios, throughput and memory."""
@@ -893,9 +898,9 @@ if __name__ == "__main__":
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
         json.dump({"commit": commit, "args": asdict(args), "rows": rows, "memory": memory, "state": states,
-                   "pairs": [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"]) for m, l in pairs],
-                   "two_rank_pairs": {stage: [(m["time/rollout"] + m["time/update"], l["rollout"] + l["update"])
-                                              for m, l in stage_pairs] for stage, stage_pairs in two_rank_pairs.items()},
+                   "pairs": iteration_seconds(pairs),
+                   "two_rank_pairs": {stage: iteration_seconds(stage_pairs)
+                                      for stage, stage_pairs in two_rank_pairs.items()},
                    "null_pairs": null,
                    "profile": {"ppo.py": ppo_profile, "limit": limit_profile}}, f, indent=2)
     print(f"wrote {args.output_json}")
