@@ -32,6 +32,7 @@ import gc
 import inspect
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -191,11 +192,13 @@ def device_name() -> str:
 
 
 def process_state() -> str:
-    """What decides the speed of this process's tensor work on a CPU: torch's intra-op threads, the OpenMP and MKL
-    settings of the environment, and the OS threads alive (threads that wake often take cores from OpenMP's)."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))}
-    return (f"torch threads {torch.get_num_threads()}, OpenMP/MKL environment {env or 'none'}, "
-            f"OS threads {len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'}")
+    """What decides the speed of this process's tensor work on a CPU: torch's intra-op threads, the OpenMP, MKL and
+    glibc settings of the environment, the OS threads alive (threads that wake often take cores from OpenMP's), and
+    the page faults so far (memory handed back to the system and faulted in again: plumbing.keep_freed_memory)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_", "GLIBC_"))}
+    return (f"torch threads {torch.get_num_threads()}, OpenMP/MKL/glibc environment {env or 'none'}, "
+            f"OS threads {len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'}, "
+            f"page faults {resource.getrusage(resource.RUSAGE_SELF).ru_minflt:,}")
 
 
 def summary(args: Args, timed: list[dict]) -> dict:
@@ -252,6 +255,8 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
     copies of the weights). Run it in a process with the environment of such a rank (in_own_process).
     turn(iteration), if given, is called before each iteration, outside its time."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        plumbing.keep_freed_memory()  # as plumbing.init_distributed sets up a rank of ppo.py on a CPU
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     defaults = ppo.Args()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "policy"))
@@ -724,6 +729,20 @@ def exec_ppo_main(flags: list[str], replacements: dict) -> None:
         get_accelerator().empty_cache()
 
 
+def profile_between_limits(args: Args, folder: str) -> tuple[dict, dict]:
+    """ppo.py's profile (profile_ppo) and the limit's (time_limit), in this process: the limit timed before ppo.py and
+    after it, each phase averaged over the two, so that a steady drift of the machine's speed falls on both sides
+    alike (over minutes this machine's speed has drifted by 10% and more). Both limits are in the returned limit's
+    "before" and "after"."""
+    before = time_limit(args, folder, 1, profile=True)
+    get_accelerator().empty_cache()  # on a GPU, the limit's models' memory goes back before ppo.py's engines load
+    ppo_profile = profile_ppo(args, folder)
+    after = time_limit(args, folder, 1, profile=True)
+    return ppo_profile, {"phases": {name: (before["phases"][name] + after["phases"][name]) / 2 for name in PHASES},
+                         "mean_iteration": (before["mean_iteration"] + after["mean_iteration"]) / 2,
+                         "before": before, "after": after}
+
+
 def print_profile(ppo_profile: dict, limit: dict) -> None:
     """The phases of ppo.py's iteration beside the limit's, in seconds per iteration; "other" is the iteration's time
     outside every phase."""
@@ -829,8 +848,7 @@ if __name__ == "__main__":
     if args.profile:
         with tempfile.TemporaryDirectory() as folder:
             build_models(args, folder)
-            ppo_profile = profile_ppo(args, folder)
-            print_profile(ppo_profile, time_limit(args, folder, 1, profile=True))
+            print_profile(*profile_between_limits(args, folder))
         raise SystemExit(0)
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
@@ -860,7 +878,7 @@ if __name__ == "__main__":
                                    max(rss[stage] for _, _, rss in two_ranks)))
 
         print("the profile: ppo.py's main block and the limit in this process, phase by phase ...", flush=True)
-        ppo_profile, limit_profile = profile_ppo(args, folder), time_limit(args, folder, 1, profile=True)
+        ppo_profile, limit_profile = profile_between_limits(args, folder)
         memory = model_memory(args, folder)
 
     on_gpu = torch.cuda.is_available()

@@ -716,8 +716,10 @@ def test_benchmark(tmp_path):
     [null] = result["null_pairs"]
     ratio = statistics.median(second_s / limit_s for second_s, limit_s in null)
     assert len(null) == 2 and f"iteration ratio {ratio:.2f} over 2 pairs; by round {ratio:.2f}." in table, (null, table)
-    for side in ["ppo.py", "limit"]:  # the process state beside the table: threads and OpenMP settings
-        assert "torch threads 1, OpenMP/MKL environment {'OMP_NUM_THREADS': '1'" in result["state"][0][side], result
+    for side in ["ppo.py", "limit"]:  # the process state beside the table: threads, OpenMP settings, page faults
+        state = result["state"][0][side]
+        assert "torch threads 1, OpenMP/MKL/glibc environment {'OMP_NUM_THREADS': '1'" in state and \
+            int(state.split(", page faults ")[1].replace(",", "")) > 0, result
     assert set(result["profile"]["ppo.py"]["phases"]) == set(benchmark.PHASES) and "| phase |" in table
     memory = {m["model"]: m for m in result["memory"]}
     for frozen in ["reference", "reward"]:
@@ -786,8 +788,28 @@ def test_processes_take_turns(tmp_path):
         benchmark.in_turns({"a": [start("a")], "b": [start("b rank 0"), start("fails")]}, 4)
 
 
+def test_benchmark_profile_times_the_limit_before_and_after_ppo(monkeypatch):
+    """The profile's limit is the mean of the limit timed just before ppo.py's main block and just after it, phase by
+    phase: a machine that slows down steadily slows both sides alike (limit 0.5 s, ppo.py 0.9 s, limit 0.7 s: 0.6)."""
+    calls = []
+
+    def fake(name, seconds):
+        def run(*_, **__):
+            calls.append(name)
+            return {"phases": dict.fromkeys(benchmark.PHASES, seconds / 10), "mean_iteration": seconds}
+        return run
+
+    limits = iter([fake("limit", 0.5), fake("limit", 0.7)])
+    monkeypatch.setattr(benchmark, "time_limit", lambda *a, **k: next(limits)(*a, **k))
+    monkeypatch.setattr(benchmark, "profile_ppo", fake("ppo.py", 0.9))
+    ppo_profile, limit = benchmark.profile_between_limits(benchmark.Args(), "folder")
+    assert calls == ["limit", "ppo.py", "limit"] and ppo_profile["mean_iteration"] == 0.9
+    assert limit["mean_iteration"] == pytest.approx(0.6) and limit["before"]["mean_iteration"] == 0.5
+    assert limit["phases"] == pytest.approx(dict.fromkeys(benchmark.PHASES, 0.06))
+
+
 def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
-    """--profile runs ppo.py's main block in the benchmark's own process (exec_ppo_main), before the limit and the
+    """--profile runs ppo.py's main block in the benchmark's own process (exec_ppo_main), before a limit and the
     memory figures: what the block leaves in ppo's namespace (its four engines: tens of GB on a GPU at Pythia-1B's
     shape) is freed when it ends, also when it stops."""
     names = set(vars(ppo))
