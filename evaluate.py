@@ -302,6 +302,8 @@ if __name__ == "__main__":
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
     check_evaluation_dir(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        plumbing.keep_freed_memory()  # as every rank of the three stages has it (detail 44)
     if args.snapshots_dir is None:
         args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
     # iteration_N only: a save cut short leaves iteration_N.tmp.

@@ -561,6 +561,9 @@ print(page_faults_of_growing_caches())
     assert faults["defaults"] > 1000 and faults["kept"] < faults["defaults"] / 20, faults  # kept: 0 to 88 seen
     # init_distributed calls it where a rank on a CPU sets itself up.
     assert "keep_freed_memory()" in inspect.getsource(plumbing.init_distributed).split("if on_cpu:")[1]
+    # And evaluate.py, which runs without init_distributed, on a CPU.
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py")) as f:
+        assert 'if device.type == "cpu":\n        plumbing.keep_freed_memory()' in f.read()
 
 
 def test_end_run_leaves_several_ranks_without_python_shutdown(monkeypatch):
