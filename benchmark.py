@@ -2,9 +2,9 @@
 
 For one shape, this script builds random-init models in a temporary folder and times ppo.py on them against the
 limit: the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models
-(time_limit): ppo.sample's sampling with the KV cache and the same stopping, the no-gradient forward passes of actor,
-reference, critic and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch the
-forward, backward, gradient clipping and fused AdamW step of actor and critic (in bf16 on fp32 copies of their
+(limit_iteration): ppo.sample's sampling with the KV cache and the same stopping, the no-gradient forward passes of
+actor, reference, critic and reward in the same micro-batches, the rewards, GAE and whitening, and for each mini-batch
+the forward, backward, gradient clipping and fused AdamW step of actor and critic (in bf16 on fp32 copies of their
 weights, as ppo.py's mixed precision does). It has no DeepSpeed, no checks, no statistics, no logging and no
 learning-rate schedule: less work than ppo.py's iteration. Every iteration does the same work: generation runs to
 full length while any response is open, and a random model samples the EOS, one token in vocab_size + 1, too rarely
@@ -15,7 +15,8 @@ the limit run in fresh processes that take turns, iteration by iteration, the on
 iteration of ppo.py is compared with the limit's iteration next to it in time (in_turns). On one rank, ppo.py and the
 limit (run_in_turns); on 2 ranks, a run of ppo.py at each actor ZeRO stage (two processes each) and the limit of one
 rank's work (two_ranks_in_turns). Two limits taking turns in the same way show how far apart two processes doing the
-same work come out (--null-rounds).
+same work come out (--null-rounds). The profile (--profile) takes turns too, in one process: an iteration of the limit
+where each of ppo.py's starts (profile_in_turns).
 
     python benchmark.py                       # the default CPU shape (10 to 15 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
@@ -117,6 +118,9 @@ class Args:
     and in the limit"""
     profile_zero_stage: int = 0
     """the actor's ZeRO stage in the profile"""
+    profile_limit_apart: bool = False
+    """the profile's limit timed before and after ppo.py (profile_between_limits) instead of taking turns with it in
+    one process (profile_in_turns): for a GPU that cannot hold the limit's models beside ppo.py's engines"""
     trl_python: str | None = None
     """instead of the table: ppo.py against TRL 1.12's PPOTrainer (as shipped, and with its per-step garbage
     collection taken out), alternating, on TRL's own models; the Python of a virtual environment with trl==1.12.0
@@ -248,12 +252,12 @@ def phase_timer(synchronize: bool):
     return totals, phase
 
 
-def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
-    """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings, timed: the same
-    model calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math
-    of PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW (in bf16 on fp32
-    copies of the weights). Run it in a process with the environment of such a rank (in_own_process).
-    turn(iteration), if given, is called before each iteration, outside its time."""
+def limit_iteration(args: Args, folder: str, ranks: int):
+    """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings: the same model
+    calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math of PPO,
+    nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW (in bf16 on fp32 copies of
+    the weights). Loads the models and returns one_iteration(phase) -> its rollout and update seconds, each phase in
+    `with phase(name)` (phase_timer). Run it in a process with the environment of such a rank (in_own_process)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         plumbing.keep_freed_memory()  # as plumbing.init_distributed sets up a rank of ppo.py on a CPU
@@ -343,7 +347,14 @@ def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=
         synchronize()
         return {"rollout": rollout_end - start, "update": time.perf_counter() - rollout_end}
 
-    totals, phase = phase_timer(synchronize=profile and device.type == "cuda")
+    return one_iteration
+
+
+def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
+    """limit_iteration timed, warm-up iterations first; with profile, phase by phase. turn(iteration), if given, is
+    called before each iteration, outside its time."""
+    one_iteration = limit_iteration(args, folder, ranks)
+    totals, phase = phase_timer(synchronize=profile and torch.cuda.is_available())
     if not profile:
         phase = lambda name: contextlib.nullcontext()  # noqa: E731
     timed = []
@@ -530,13 +541,14 @@ def metrics_of_run(exp_name: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def profile_ppo(args: Args, folder: str) -> dict:
+def profile_ppo(args: Args, folder: str, between=None) -> dict:
     """ppo.py's iteration by phase: its main block run in this process (one rank, the actor at --profile-zero-stage)
     with the functions it calls for each phase wrapped in a phase timer (the wrappers cost microseconds, a few dozen
     calls an iteration). An iteration runs from one prompts_of_iteration call to the next, so it includes the
-    logging."""
+    logging. between(iteration), if given, runs where each iteration starts, outside ppo.py's time and phases."""
     totals, phase = phase_timer(synchronize=torch.cuda.is_available())
-    starts, timed_totals = [], {}  # each iteration's start; the phase totals when the timed iterations end
+    starts, ends, timed_totals = [], [], {}  # each iteration's start and the previous one's end; the phase totals
+    running_between = [False]  # when the timed iterations end
 
     def grad_or_not(with_grad: str | None, without_grad: str | None):
         return lambda *a, **k: with_grad if torch.is_grad_enabled() else without_grad
@@ -545,6 +557,11 @@ def profile_ppo(args: Args, folder: str) -> dict:
         return lambda *a, **k: name
 
     def iteration_start(prompts, iteration, *a, **k):
+        ends.append(time.perf_counter())
+        if between is not None:
+            running_between[0] = True
+            between(iteration)
+            running_between[0] = False
         starts.append(time.perf_counter())
         if iteration == args.warmup_iterations:
             totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
@@ -579,7 +596,7 @@ def profile_ppo(args: Args, folder: str) -> dict:
     def timed(function, name_of):
         @functools.wraps(function)
         def wrapper(*a, **k):
-            name = name_of(*a, **k)
+            name = None if running_between[0] else name_of(*a, **k)
             if name is None:
                 return function(*a, **k)
             with phase(name):
@@ -589,9 +606,9 @@ def profile_ppo(args: Args, folder: str) -> dict:
     iterations = args.warmup_iterations + args.iterations + 1  # the last one only ends the timed ones
     exec_ppo_main(ppo_flags(args, folder, 1, args.profile_zero_stage, "benchmark_profile", iterations),
                   {key: timed(getattr(*key), name_of) for key, name_of in phase_of.items()})
-    first, last = starts[args.warmup_iterations], starts[args.warmup_iterations + args.iterations]
+    timed = [ends[i + 1] - starts[i] for i in range(args.warmup_iterations, args.warmup_iterations + args.iterations)]
     return {"phases": {name: total / args.iterations for name, total in timed_totals.items()},
-            "mean_iteration": (last - first) / args.iterations}
+            "mean_iteration": statistics.mean(timed), "timed": timed}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -729,6 +746,28 @@ def exec_ppo_main(flags: list[str], replacements: dict) -> None:
         get_accelerator().empty_cache()
 
 
+def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
+    """ppo.py's profile (profile_ppo) and the limit's (limit_iteration), in this process, taking turns: one iteration
+    of the limit where each of ppo.py's starts, so that the machine's speed, which drifts by 10% and more within a
+    minute, is the same for an iteration of each. The limit's models sit beside ppo.py's engines; the limit's
+    iteration timed[i] ran just before ppo.py's timed[i]."""
+    one_iteration = limit_iteration(args, folder, 1)
+    totals, phase = phase_timer(synchronize=torch.cuda.is_available())
+    timed = []
+
+    def limit_turn(iteration: int) -> None:
+        if iteration == args.warmup_iterations:
+            totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
+        if iteration < args.warmup_iterations + args.iterations:  # the last start only ends ppo.py's timed ones
+            times = one_iteration(phase)
+            if iteration >= args.warmup_iterations:
+                timed.append(times["rollout"] + times["update"])
+
+    ppo_profile = profile_ppo(args, folder, between=limit_turn)
+    return ppo_profile, {"phases": {name: total / args.iterations for name, total in totals.items()},
+                         "mean_iteration": statistics.mean(timed), "timed": timed}
+
+
 def profile_between_limits(args: Args, folder: str) -> tuple[dict, dict]:
     """ppo.py's profile (profile_ppo) and the limit's (time_limit), in this process: the limit timed before ppo.py and
     after it, each phase averaged over the two, so that a steady drift of the machine's speed falls on both sides
@@ -753,6 +792,10 @@ def print_profile(ppo_profile: dict, limit: dict) -> None:
     rows.append(("iteration", ppo_profile["mean_iteration"], limit["mean_iteration"]))
     for name, ours, limit_s in rows:
         print(f"| {name} | {ours:.4f} | {limit_s:.4f} | {ours - limit_s:+.4f} |")
+    if "timed" in limit:  # in turns (profile_in_turns)
+        ratios = [ours / limit_s for ours, limit_s in zip(ppo_profile["timed"], limit["timed"])]
+        print(f"ppo.py's iteration over the limit's just before it, in this process: the median over {len(ratios)} "
+              f"pairs {statistics.median(ratios):.3f}")
 
 
 def ppo_times(metrics: dict) -> dict:
@@ -842,13 +885,14 @@ if __name__ == "__main__":
                 setattr(args, key, value)
     os.makedirs("runs", exist_ok=True)
     print(settings(args), flush=True)
+    profile = profile_between_limits if args.profile_limit_apart else profile_in_turns
     if args.trl_python:
         against_trl(args)
         raise SystemExit(0)
     if args.profile:
         with tempfile.TemporaryDirectory() as folder:
             build_models(args, folder)
-            print_profile(*profile_between_limits(args, folder))
+            print_profile(*profile(args, folder))
         raise SystemExit(0)
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
@@ -878,7 +922,7 @@ if __name__ == "__main__":
                                    max(rss[stage] for _, _, rss in two_ranks)))
 
         print("the profile: ppo.py's main block and the limit in this process, phase by phase ...", flush=True)
-        ppo_profile, limit_profile = profile_between_limits(args, folder)
+        ppo_profile, limit_profile = profile(args, folder)
         memory = model_memory(args, folder)
 
     on_gpu = torch.cuda.is_available()

@@ -721,6 +721,9 @@ def test_benchmark(tmp_path):
         assert "torch threads 1, OpenMP/MKL/glibc environment {'OMP_NUM_THREADS': '1'" in state and \
             int(state.split(", page faults ")[1].replace(",", "")) > 0, result
     assert set(result["profile"]["ppo.py"]["phases"]) == set(benchmark.PHASES) and "| phase |" in table
+    # The profile in one process: ppo.py and the limit took turns, one iteration each (profile_in_turns).
+    assert len(result["profile"]["ppo.py"]["timed"]) == len(result["profile"]["limit"]["timed"]) == 2
+    assert "ppo.py's iteration over the limit's just before it, in this process: the median over 2 pairs" in table
     memory = {m["model"]: m for m in result["memory"]}
     for frozen in ["reference", "reward"]:
         assert memory[frozen]["gradients_mb"] == 0 and memory[frozen]["optimizer_state_mb"] == 0
@@ -806,6 +809,58 @@ def test_benchmark_profile_times_the_limit_before_and_after_ppo(monkeypatch):
     assert calls == ["limit", "ppo.py", "limit"] and ppo_profile["mean_iteration"] == 0.9
     assert limit["mean_iteration"] == pytest.approx(0.6) and limit["before"]["mean_iteration"] == 0.5
     assert limit["phases"] == pytest.approx(dict.fromkeys(benchmark.PHASES, 0.06))
+
+
+def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
+    """--profile in one process (profile_in_turns): an iteration of the limit where each of ppo.py's starts, none at the
+    last start (which only ends ppo.py's timed iterations), outside ppo.py's time and phases; each of ppo.py's timed
+    iterations over the limit's just before it. A fake clock: the limit's k-th iteration takes k + 1 s of generation
+    and 0.25 s in ppo.response_logprobs inside it; ppo.py's k-th, 2 (k + 1) s of generation and 0.25 s of actor
+    log-probs."""
+    clock, events = [0.0], []
+
+    def spend(seconds):
+        clock[0] += seconds
+
+    def limit_iteration(args, folder, ranks):
+        def one_iteration(phase):
+            k = events.count("limit")
+            events.append("limit")
+            with phase("generation"):
+                spend(k + 1)
+                ppo.response_logprobs(types.SimpleNamespace(training=False))  # the limit's, not ppo.py's, phase
+            return {"rollout": k + 1.0, "update": 0.25}
+        return one_iteration
+
+    def exec_ppo_main(flags, replacements):  # ppo.py's loop: the iteration's start, generation, the actor's log-probs
+        originals = {key: getattr(*key) for key in replacements}
+        for (owner, name), function in replacements.items():
+            setattr(owner, name, function)
+        try:
+            for iteration in range(args.warmup_iterations + args.iterations + 1):
+                ppo.prompts_of_iteration([], iteration, 0, None)
+                events.append("ppo")
+                ppo.sample_responses()
+                ppo.response_logprobs(types.SimpleNamespace(training=True))
+        finally:
+            for (owner, name), function in originals.items():
+                setattr(owner, name, function)
+
+    monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(benchmark, "limit_iteration", limit_iteration)
+    monkeypatch.setattr(benchmark, "exec_ppo_main", exec_ppo_main)
+    monkeypatch.setattr(ppo, "prompts_of_iteration", lambda *a, **k: [])
+    monkeypatch.setattr(ppo, "sample_responses", lambda *a, **k: spend(2.0 * events.count("ppo")))
+    monkeypatch.setattr(ppo, "response_logprobs", lambda *a, **k: spend(0.25))
+    args = benchmark.Args(warmup_iterations=1, iterations=3)
+    ppo_profile, limit = benchmark.profile_in_turns(args, "folder")
+    assert events == ["limit", "ppo"] * 4 + ["ppo"]
+    assert ppo_profile["timed"] == [4.25, 6.25, 8.25] and limit["timed"] == [2.25, 3.25, 4.25]  # no warm-up's
+    assert ppo_profile["phases"] == {**dict.fromkeys(benchmark.PHASES, 0.0), "generation": 6.0, "actor log-probs": 0.25}
+    assert limit["phases"] == {**dict.fromkeys(benchmark.PHASES, 0.0), "generation": 3.25}
+    benchmark.print_profile(ppo_profile, limit)  # 4.25 / 2.25, 6.25 / 3.25, 8.25 / 4.25: the median 6.25 / 3.25
+    assert "ppo.py's iteration over the limit's just before it, in this process: the median over 3 pairs 1.923" in \
+        capsys.readouterr().out
 
 
 def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
