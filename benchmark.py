@@ -547,8 +547,9 @@ def profile_ppo(args: Args, folder: str, between=None) -> dict:
     calls an iteration). An iteration runs from one prompts_of_iteration call to the next, so it includes the
     logging. between(iteration), if given, runs where each iteration starts, outside ppo.py's time and phases."""
     totals, phase = phase_timer(synchronize=torch.cuda.is_available())
-    starts, ends, timed_totals = [], [], {}  # each iteration's start and the previous one's end; the phase totals
-    running_between = [False]  # when the timed iterations end
+    starts, ends = [], []  # where each iteration starts, and where each start finds the one before it ending
+    timed_totals = {}  # the phase totals when the timed iterations end
+    running_between = [False]  # while between() runs: its calls are not ppo.py's phases
 
     def grad_or_not(with_grad: str | None, without_grad: str | None):
         return lambda *a, **k: with_grad if torch.is_grad_enabled() else without_grad
