@@ -350,27 +350,42 @@ def limit_iteration(args: Args, folder: str, ranks: int):
     return one_iteration
 
 
-def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
-    """limit_iteration timed, warm-up iterations first; with profile, phase by phase. turn(iteration), if given, is
-    called before each iteration, outside its time."""
+def limit_timer(args: Args, folder: str, ranks: int, profile: bool):
+    """limit_iteration with its timing: (step, summary). step(iteration) runs one iteration, warm-up iterations
+    first, untimed; with profile, phase by phase. summary() gives the timed iterations' median rollout and update,
+    their phases and mean, and each of them."""
     one_iteration = limit_iteration(args, folder, ranks)
     totals, phase = phase_timer(synchronize=profile and torch.cuda.is_available())
     if not profile:
         phase = lambda name: contextlib.nullcontext()  # noqa: E731
     timed = []
-    for iteration in range(args.warmup_iterations + args.iterations):
-        if turn is not None:
-            turn(iteration)
+
+    def step(iteration: int) -> None:
         if iteration == args.warmup_iterations:
             totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
         times = one_iteration(phase)
         if iteration >= args.warmup_iterations:
             timed.append(times)
-    limit = {name: statistics.median(t[name] for t in timed) for name in ["rollout", "update"]}
-    limit["phases"] = {name: total / args.iterations for name, total in totals.items()}
-    limit["mean_iteration"] = statistics.mean(t["rollout"] + t["update"] for t in timed)
-    limit["timed"] = timed
-    return limit
+
+    def summary() -> dict:
+        limit = {name: statistics.median(t[name] for t in timed) for name in ["rollout", "update"]}
+        limit["phases"] = {name: total / args.iterations for name, total in totals.items()}
+        limit["mean_iteration"] = statistics.mean(t["rollout"] + t["update"] for t in timed)
+        limit["timed"] = timed
+        return limit
+
+    return step, summary
+
+
+def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
+    """limit_timer's iterations one after the other. turn(iteration), if given, is called before each iteration,
+    outside its time."""
+    step, summary = limit_timer(args, folder, ranks, profile)
+    for iteration in range(args.warmup_iterations + args.iterations):
+        if turn is not None:
+            turn(iteration)
+        step(iteration)
+    return summary()
 
 
 def in_own_process(function: str, args: Args, arguments: list, env: dict, output, pass_fds=()) -> subprocess.Popen:
@@ -752,21 +767,14 @@ def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
     of the limit where each of ppo.py's starts, so that the machine's speed, which drifts by 10% and more within a
     minute, is the same for an iteration of each. The limit's models sit beside ppo.py's engines; the limit's
     iteration timed[i] ran just before ppo.py's timed[i]."""
-    one_iteration = limit_iteration(args, folder, 1)
-    totals, phase = phase_timer(synchronize=torch.cuda.is_available())
-    timed = []
+    step, summary = limit_timer(args, folder, 1, profile=True)
 
     def limit_turn(iteration: int) -> None:
-        if iteration == args.warmup_iterations:
-            totals.update(dict.fromkeys(totals, 0.0))  # the phases of the timed iterations only
         if iteration < args.warmup_iterations + args.iterations:  # the last start only ends ppo.py's timed ones
-            times = one_iteration(phase)
-            if iteration >= args.warmup_iterations:
-                timed.append(times["rollout"] + times["update"])
+            step(iteration)
 
     ppo_profile = profile_ppo(args, folder, between=limit_turn)
-    return ppo_profile, {"phases": {name: total / args.iterations for name, total in totals.items()},
-                         "mean_iteration": statistics.mean(timed), "timed": timed}
+    return ppo_profile, summary()
 
 
 def profile_between_limits(args: Args, folder: str) -> tuple[dict, dict]:
@@ -794,7 +802,8 @@ def print_profile(ppo_profile: dict, limit: dict) -> None:
     for name, ours, limit_s in rows:
         print(f"| {name} | {ours:.4f} | {limit_s:.4f} | {ours - limit_s:+.4f} |")
     if "timed" in limit:  # in turns (profile_in_turns)
-        ratios = [ours / limit_s for ours, limit_s in zip(ppo_profile["timed"], limit["timed"])]
+        ratios = [ours / (limit_s["rollout"] + limit_s["update"])
+                  for ours, limit_s in zip(ppo_profile["timed"], limit["timed"])]
         print(f"ppo.py's iteration over the limit's just before it, in this process: the median over {len(ratios)} "
               f"pairs {statistics.median(ratios):.3f}")
 
