@@ -449,9 +449,10 @@ def load_prompts(tokenizer, dataset: str, split: str, column: str, max_prompt_le
     return prompts
 
 # --- Processes and ranks: the process group, the launcher watch, signals, and rank 0's work. ---
-def init_distributed(args) -> torch.device:
+def init_distributed(args, zero3: bool) -> torch.device:
     """Join the ranks (deepspeed or torchrun set RANK; plain `python` is one rank), set args.local_rank, world_size,
-    return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM."""
+    return this rank's device; stop if the launcher dies, and with one line on Ctrl-C or SIGTERM. zero3: whether any
+    of the script's models is partitioned by ZeRO-3, whose collectives copy tensors on gloo's threads."""
     launchers = watch_launcher()  # before the set-up: a rank waiting there for a peer must not outlive its launcher
     if "RANK" not in os.environ:  # one rank, on any free port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
@@ -462,7 +463,8 @@ def init_distributed(args) -> torch.device:
     get_accelerator().set_device(args.local_rank)
     if on_cpu:
         keep_freed_memory()
-        one_openmp_thread_for_new_threads()  # before gloo starts the threads that run the collectives
+        if zero3:  # before gloo starts the threads that run the collectives
+            one_openmp_thread_for_new_threads()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # see end_run
     if on_cpu:
@@ -515,7 +517,8 @@ def keep_freed_memory() -> None:
 def one_openmp_thread_for_new_threads() -> None:
     """On a CPU: every thread started from now on does its tensor work on one OpenMP thread. gloo's threads, which run
     the collectives, would each start an OpenMP team, more threads than cores, and libgomp sleeps instead of spinning
-    (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). set_num_threads in a short-lived thread sets the default."""
+    (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). set_num_threads in a short-lived thread sets the default.
+    Only for ZeRO-3: at ZeRO-0 and ZeRO-2 gloo's threads start no team, and ppo.py on one rank ran 3% slower with it."""
     torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
     setter = threading.Thread(target=torch.set_num_threads, args=(1,))
     setter.start()

@@ -602,14 +602,17 @@ def check_score_head(model, path: str, flag: str) -> None:
         plumbing.fail(f"{path!r} must be a 1-label AutoModelForSequenceClassification with a linear `score` head, as "
                       f"reward_model.py saves it (it has {model.config.num_labels} labels); check {flag}")
 
+def zero_stages(args: Args) -> dict[str, int]:
+    """Each model's ZeRO stage. The reference follows the actor's and the reward model the critic's, but only ZeRO-3 is
+    worth anything to a model without gradients or optimizer (it shards the parameters), so both are ZeRO-3 or plain
+    (DeepSpeed-Chat's rule). Their own offload keeps their parameters in CPU memory, which needs ZeRO-3."""
+    return {"actor": args.actor_zero_stage, "critic": args.critic_zero_stage,
+            "reference": 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0,
+            "reward": 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0}
+
 def build_engines(args: Args, critic_path: str):
     """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
     critic and reward model have a 1-label score head, and no weight is inf or NaN."""
-    # The reference follows the actor's ZeRO stage and the reward model the critic's, but only ZeRO-3 is worth
-    # anything to a model without gradients or optimizer (it shards the parameters), so both are ZeRO-3 or plain
-    # (DeepSpeed-Chat's rule). Their own offload keeps their parameters in CPU memory, which needs ZeRO-3.
-    reference_stage = 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0
-    reward_stage = 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0
     actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
     if args.enable_hybrid_engine:  # DeepSpeed-Chat's, GPU only: the actor generates on inference kernels, with its
         # own tensor parallelism and key-value cache, swapped in and out between eval() and train()
@@ -625,14 +628,14 @@ def build_engines(args: Args, critic_path: str):
     # (plumbing.adapters_disabled), and a whole model copy is never loaded.
     reference = actor if args.only_optimize_lora else init_engine(
         AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
-        deepspeed_config(reference_stage, False, args.offload_reference_model, args), args)
+        deepspeed_config(zero_stages(args)["reference"], False, args.offload_reference_model, args), args)
     critic = init_engine(AutoModelForSequenceClassification, critic_path, "--critic-model-name-or-path",
                          deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
                          args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
                          args.critic_lora_learning_rate)
     reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
                          "--reward-model-name-or-path",
-                         deepspeed_config(reward_stage, False, args.offload_reward_model, args), args)
+                         deepspeed_config(zero_stages(args)["reward"], False, args.offload_reward_model, args), args)
     check_score_head(reward.module, args.reward_model_name_or_path, "--reward-model-name-or-path")
     check_score_head(critic.module, critic_path, "--critic-model-name-or-path")
     # Each weights file is checked once: the reference (and the EMA) load the actor's, and the critic, unless
@@ -885,14 +888,12 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
     with torch.no_grad():
         valid_scores = torch.where(valid, scores, 0.0)
         sums = plumbing.sum_over_ranks({
-            **update_sums,
-            "responses": torch.tensor(float(len(valid)), device=scores.device), "valid": valid.sum(),
+            **update_sums, "responses": torch.tensor(float(len(valid)), device=scores.device), "valid": valid.sum(),
             "kl": rollout["kl"].sum(dim=1).sum(), "scores": valid_scores.sum(),
             "scores_squared": (valid_scores**2).sum(), "clipped_scores": valid_scores.clamp(-clip, clip).sum(),
             "scores_clipped": (valid & (scores.abs() >= clip)).sum(),
             "sequence_entropy": torch.where(rollout["update_mask"].bool(), -rollout["logprobs"], 0.0).sum(),
-            "eos": rollout["contains_eos"].sum(), "length": rollout["response_mask"].sum(),
-        })
+            "eos": rollout["contains_eos"].sum(), "length": rollout["response_mask"].sum()})
     per_response, per_token = max(sums["valid"], 1), max(sums["tokens"], 1)
     mean_score = sums["scores"] / per_response
     metrics = {
@@ -919,8 +920,7 @@ def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, ite
         "val/response_length": sums["length"] / sums["responses"],
         "val/num_invalid": sums["responses"] - sums["valid"],
         "lr": lr, "episode": (iteration + 1) * args.batch_size, **times,
-        # Peak memory of this rank so far (on a GPU, torch's allocated and reserved figures; on a CPU, the process's
-        # peak resident memory for both).
+        # Peak memory of this rank so far (on a GPU, torch's allocated and reserved; on a CPU, peak resident memory).
         **{f"memory/{name}": gb for name, gb in plumbing.peak_memory_gb().items()},
     }
     if args.unsup_dataset is not None:  # one micro-batch of blocks per PPO micro-batch, all of the same length
@@ -1069,7 +1069,7 @@ def aligned_overflow(actor, critic, enabled: bool):
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    device = plumbing.init_distributed(args)
+    device = plumbing.init_distributed(args, zero3=3 in zero_stages(args).values())
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
 
     # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's

@@ -257,7 +257,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = plumbing.init_distributed(args)
+    device = plumbing.init_distributed(args, zero3=args.zero_stage == 3)
     is_main = dist.get_rank() == 0
     # As in sft.py, the output folder is claimed before anything loads; the policy's folder is an input too.
     plumbing.on_rank_0(lambda: plumbing.claim_output_dir(args.output_dir, {

@@ -199,7 +199,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = plumbing.init_distributed(args)
+    device = plumbing.init_distributed(args, zero3=args.zero_stage == 3)
     is_main = dist.get_rank() == 0
     # The output folder is checked, locked and claimed before anything loads: a run never trains for an hour to find
     # that it cannot save, nor writes over a folder it does not own.

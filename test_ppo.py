@@ -756,6 +756,25 @@ def test_zero_stages_over_zero0_pair_iterations_next_to_each_other():
         "rollout": 2.0, "update": 3.0, "iteration": 2.0}
 
 
+def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3():
+    """ppo.zero_stages: the reference is ZeRO-3 with the actor or with its own offload, the reward model with the critic
+    or its own offload, else plain (DeepSpeed-Chat's rule). Each stage asks plumbing.init_distributed for one OpenMP
+    thread in gloo's threads when one of its models is under ZeRO-3 (test_plumbing checks what init_distributed does)."""
+    def stages(**flags):
+        return [ppo.zero_stages(ppo.Args(**flags))[model] for model in ["actor", "reference", "critic", "reward"]]
+    assert stages() == [0, 0, 0, 0]
+    assert stages(actor_zero_stage=2, critic_zero_stage=1) == [2, 0, 1, 0]
+    assert stages(actor_zero_stage=3) == [3, 3, 0, 0]
+    assert stages(critic_zero_stage=3) == [0, 0, 3, 3]
+    assert stages(offload_reference_model=True) == [0, 3, 0, 0]
+    assert stages(offload_reward_model=True) == [0, 0, 0, 3]
+    for script, call in [("ppo.py", "init_distributed(args, zero3=3 in zero_stages(args).values())"),
+                         ("sft.py", "init_distributed(args, zero3=args.zero_stage == 3)"),
+                         ("reward_model.py", "init_distributed(args, zero3=args.zero_stage == 3)")]:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), script)) as f:
+            assert call in f.read(), script
+
+
 def test_processes_take_turns(tmp_path):
     """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each side (one process, or
     the two ranks of a run, which go together) runs one iteration in its turn, never two sides at once, the order
