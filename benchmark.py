@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -196,11 +197,17 @@ def device_name() -> str:
 
 
 def process_state() -> str:
-    """What decides the speed of this process's tensor work on a CPU: torch's intra-op threads, the OpenMP, MKL and
-    glibc settings of the environment, the OS threads alive (threads that wake often take cores from OpenMP's), and
-    the page faults so far (memory handed back to the system and faulted in again: plumbing.keep_freed_memory)."""
+    """What decides the speed of this process's tensor work on a CPU: torch's intra-op threads, and those of a thread
+    started now (gloo's: one under ZeRO-3, plumbing.one_openmp_thread_for_new_threads), the OpenMP, MKL and glibc
+    settings of the environment, the OS threads alive (threads that wake often take cores from OpenMP's), and the page
+    faults so far (memory handed back to the system and faulted in again: plumbing.keep_freed_memory)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_", "GLIBC_"))}
-    return (f"torch threads {torch.get_num_threads()}, OpenMP/MKL/glibc environment {env or 'none'}, "
+    new_thread = []
+    thread = threading.Thread(target=lambda: new_thread.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return (f"torch threads {torch.get_num_threads()} ({new_thread[0]} in a new thread), OpenMP/MKL/glibc environment "
+            f"{env or 'none'}, "
             f"OS threads {len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else '?'}, "
             f"page faults {resource.getrusage(resource.RUSAGE_SELF).ru_minflt:,}")
 

@@ -718,7 +718,7 @@ def test_benchmark(tmp_path):
     assert len(null) == 2 and f"iteration ratio {ratio:.2f} over 2 pairs; by round {ratio:.2f}." in table, (null, table)
     for side in ["ppo.py", "limit"]:  # the process state beside the table: threads, OpenMP settings, page faults
         state = result["state"][0][side]
-        assert "torch threads 1, OpenMP/MKL/glibc environment {'OMP_NUM_THREADS': '1'" in state and \
+        assert "torch threads 1 (1 in a new thread), OpenMP/MKL/glibc environment {'OMP_NUM_THREADS': '1'" in state and \
             int(state.split(", page faults ")[1].replace(",", "")) > 0, result
     assert set(result["profile"]["ppo.py"]["phases"]) == set(benchmark.PHASES) and "| phase |" in table
     # The profile in one process: ppo.py and the limit took turns, one iteration each (profile_in_turns).
