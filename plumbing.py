@@ -518,7 +518,7 @@ def one_openmp_thread_for_new_threads() -> None:
     """On a CPU: every thread started from now on does its tensor work on one OpenMP thread. gloo's threads, which run
     the collectives, would each start an OpenMP team, more threads than cores, and libgomp sleeps instead of spinning
     (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). set_num_threads in a short-lived thread sets the default.
-    Only for ZeRO-3: at ZeRO-0 and ZeRO-2 gloo's threads start no team, and ppo.py on one rank ran 3% slower with it."""
+    Only for ZeRO-3: at ZeRO-0 and ZeRO-2 gloo's threads start no team, and a one-rank run took 3% longer with it."""
     torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
     setter = threading.Thread(target=torch.set_num_threads, args=(1,))
     setter.start()
