@@ -21,7 +21,7 @@ where each of ppo.py's starts (profile_in_turns).
     python benchmark.py                       # the default CPU shape (10 to 15 minutes on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
-    python benchmark.py --trl-python trl-venv/bin/python   # ppo.py against TRL 1.12's PPOTrainer, alternating
+    python benchmark.py --trl-python trl-venv/bin/python   # ppo.py and its limit against TRL 1.12's PPOTrainer
 
 Prints one table and writes it as JSON (--output-json) for comparison across commits.
 """
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import deepspeed
@@ -53,6 +53,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoTokenizer,
     LlamaConfig,
     PreTrainedTokenizerFast,
 )
@@ -90,7 +91,8 @@ class Args:
     prompt_len: int = 16
     """tokens per prompt"""
     response_len: int = 32
-    """tokens per response (always reached: EOS cannot be sampled)"""
+    """tokens per response: generation runs this long while any response is open (a random model samples the EOS
+    too rarely to close all, but a few responses stop early)"""
     episodes: int = 32
     """episodes per iteration, over all ranks"""
     num_ppo_epochs: int = 2
@@ -123,9 +125,9 @@ class Args:
     """the profile's limit timed before and after ppo.py (profile_between_limits) instead of taking turns with it in
     one process (profile_in_turns): for a GPU that cannot hold the limit's models beside ppo.py's engines"""
     trl_python: str | None = None
-    """instead of the table: ppo.py against TRL 1.12's PPOTrainer (as shipped, and with its per-step garbage
-    collection taken out), alternating, on TRL's own models; the Python of a virtual environment with trl==1.12.0
-    (never a dependency of this project)"""
+    """instead of the table: ppo.py and its limit against TRL 1.12's PPOTrainer (as shipped, and with its per-step
+    garbage collection taken out), alternating, on TRL's own models; the Python of a virtual environment with
+    trl==1.12.0 (never a dependency of this project)"""
     trl_script: str = "../shared/peers/trl_ppo_baseline.py"
     """the script that builds TRL's models and times its PPOTrainer (--trl-python)"""
 
@@ -259,22 +261,24 @@ def phase_timer(synchronize: bool):
     return totals, phase
 
 
-def limit_iteration(args: Args, folder: str, ranks: int):
-    """The least one of `ranks` ranks of ppo.py must do in an iteration, at its default settings: the same model
-    calls with the same shapes, through ppo.py's own helpers on plain torch models (the calls and the math of PPO,
-    nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW (in bf16 on fp32 copies of
-    the weights). Loads the models and returns one_iteration(phase) -> its rollout and update seconds, each phase in
-    `with phase(name)` (phase_timer). Run it in a process with the environment of such a rank (in_own_process)."""
+def limit_iteration(args: Args, flags: list[str], ranks: int):
+    """The least one of `ranks` ranks of ppo.py run with `flags` must do in an iteration: the same model calls with
+    the same shapes on the same models, at the settings that the flags give ppo.py (temperature, KL coefficient,
+    gradient clipping, learning rates), through ppo.py's own helpers on plain torch models (the calls and the math of
+    PPO, nothing else: no DeepSpeed, no checks, no statistics, no logging), and a fused AdamW (in bf16 on fp32 copies
+    of the weights). Loads the models and returns one_iteration(phase) -> its rollout and update seconds, each phase
+    in `with phase(name)` (phase_timer). Run it in a process with the environment of such a rank (in_own_process)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         plumbing.keep_freed_memory()  # as plumbing.init_distributed sets up a rank of ppo.py on a CPU
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    defaults = ppo.Args()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "policy"))
-    policy_path, reward_path = os.path.join(folder, "policy"), os.path.join(folder, "reward")
+    settings = tyro.cli(ppo.Args, args=flags)  # ppo.py's arguments: the flags, and its defaults for the rest
+    policy_path, reward_path = settings.actor_model_name_or_path, settings.reward_model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
     actor = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device).train()
     reference = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(device).requires_grad_(False)
-    critic = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device).train()
+    critic = AutoModelForSequenceClassification.from_pretrained(settings.critic_model_name_or_path or reward_path,
+                                                                dtype=dtype).to(device).train()
     reward = AutoModelForSequenceClassification.from_pretrained(reward_path, dtype=dtype).to(device)
     reward.requires_grad_(False)
     # In bf16, mixed precision as in ppo.py (DeepSpeed): AdamW steps an fp32 copy of the weights, which go back to
@@ -282,12 +286,13 @@ def limit_iteration(args: Args, folder: str, ranks: int):
     # as small as lr 1e-6 times Adam's unit step.
     trained = [list(model.parameters()) for model in (actor, critic)]
     masters = [[p.detach().float() for p in params] if dtype != torch.float32 else params for params in trained]
-    optimizers = [torch.optim.AdamW(master, lr=1e-6, weight_decay=0.0, fused=True) for master in masters]
+    optimizers = [torch.optim.AdamW(master, lr=lr, weight_decay=0.0, fused=True)
+                  for master, lr in zip(masters, [settings.actor_learning_rate, settings.critic_learning_rate])]
     per_rank = args.episodes // ranks
     per_mini_batch = per_rank // args.num_mini_batches
     micro = per_mini_batch // args.micro_batches_per_mini_batch
     prompts = torch.randint(1, args.vocab_size, (per_rank, args.prompt_len), device=device)
-    generation_config = ppo.sampling_config(tokenizer, args.response_len, defaults.temperature)
+    generation_config = ppo.sampling_config(tokenizer, args.response_len, settings.temperature)
     P = args.prompt_len
 
     def synchronize():
@@ -307,20 +312,20 @@ def limit_iteration(args: Args, folder: str, ranks: int):
             attention_mask = torch.cat([torch.ones_like(prompts), mask], dim=1)
             chunks = list(zip(sequences.split(micro), attention_mask.split(micro)))
             with phase("actor log-probs"):
-                logprobs = torch.cat([ppo.response_logprobs(actor, s, m, P, defaults.temperature)
+                logprobs = torch.cat([ppo.response_logprobs(actor, s, m, P, settings.temperature)
                                       for s, m in chunks])
             with phase("reference log-probs"):
-                ref_logprobs = torch.cat([ppo.response_logprobs(reference, s, m, P, defaults.temperature)
+                ref_logprobs = torch.cat([ppo.response_logprobs(reference, s, m, P, settings.temperature)
                                           for s, m in chunks])
             with phase("critic values"):
                 values = torch.cat([ppo.critic_values(critic, s, m, P, 0.0, 1.0) for s, m in chunks])
             with phase("reward scores"):
                 scores = torch.cat([ppo.reward_scores(reward, s, m, P, 0.0, 1.0) for s, m in chunks])
             with phase("rewards, GAE and whitening"):
-                rewards, _ = rlhf_math.per_token_rewards(scores, logprobs, ref_logprobs, mask, defaults.kl_coef,
-                                                         defaults.clip_score, defaults.kl_estimator)
-                advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, mask, defaults.gamma,
-                                                                           defaults.lam)
+                rewards, _ = rlhf_math.per_token_rewards(scores, logprobs, ref_logprobs, mask, settings.kl_coef,
+                                                         settings.clip_score, settings.kl_estimator)
+                advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, mask, settings.gamma,
+                                                                           settings.lam)
                 advantages = rlhf_math.masked_whiten(advantages, mask)
         synchronize()
         rollout_end = time.perf_counter()
@@ -329,13 +334,13 @@ def limit_iteration(args: Args, folder: str, ranks: int):
                 for i in mini_batch.split(micro):
                     with phase("actor forward and loss"):
                         new_logprobs = ppo.response_logprobs(actor, sequences[i], attention_mask[i], P,
-                                                             defaults.temperature)
+                                                             settings.temperature)
                         pg_loss, _ = rlhf_math.policy_loss(new_logprobs, logprobs[i], advantages[i], mask[i],
-                                                           defaults.cliprange)
+                                                           settings.cliprange)
                     with phase("critic forward and loss"):
                         new_values = ppo.critic_values(critic, sequences[i], attention_mask[i], P, 0.0, 1.0)
                         vf_loss, _ = rlhf_math.value_loss(new_values, values[i], returns[i], mask[i],
-                                                          defaults.cliprange_value)
+                                                          settings.cliprange_value)
                     with phase("actor backward"):
                         (pg_loss / args.micro_batches_per_mini_batch).backward()
                     with phase("critic backward"):
@@ -345,7 +350,8 @@ def limit_iteration(args: Args, folder: str, ranks: int):
                         if master is not params:  # bf16: the gradients to the fp32 copy
                             for m, p in zip(master, params):
                                 m.grad, p.grad = p.grad.float(), None
-                        torch.nn.utils.clip_grad_norm_(master, defaults.gradient_clipping)
+                        if settings.gradient_clipping > 0:  # 0: none (TRL's trainer clips none)
+                            torch.nn.utils.clip_grad_norm_(master, settings.gradient_clipping)
                         optimizer.step()
                         optimizer.zero_grad()
                         if master is not params:  # bf16: the updated weights back to the model
@@ -357,11 +363,11 @@ def limit_iteration(args: Args, folder: str, ranks: int):
     return one_iteration
 
 
-def limit_timer(args: Args, folder: str, ranks: int, profile: bool):
+def limit_timer(args: Args, flags: list[str], ranks: int, profile: bool):
     """limit_iteration with its timing: (step, summary). step(iteration) runs one iteration, warm-up iterations
     first, untimed; with profile, phase by phase. summary() gives the timed iterations' median rollout and update,
     their phases and mean, and each of them."""
-    one_iteration = limit_iteration(args, folder, ranks)
+    one_iteration = limit_iteration(args, flags, ranks)
     totals, phase = phase_timer(synchronize=profile and torch.cuda.is_available())
     if not profile:
         phase = lambda name: contextlib.nullcontext()  # noqa: E731
@@ -384,10 +390,10 @@ def limit_timer(args: Args, folder: str, ranks: int, profile: bool):
     return step, summary
 
 
-def time_limit(args: Args, folder: str, ranks: int, profile: bool = False, turn=None) -> dict:
+def time_limit(args: Args, flags: list[str], ranks: int, profile: bool = False, turn=None) -> dict:
     """limit_timer's iterations one after the other. turn(iteration), if given, is called before each iteration,
     outside its time."""
-    step, summary = limit_timer(args, folder, ranks, profile)
+    step, summary = limit_timer(args, flags, ranks, profile)
     for iteration in range(args.warmup_iterations + args.iterations):
         if turn is not None:
             turn(iteration)
@@ -415,10 +421,10 @@ def last_json_line(output, what: str) -> dict:
         raise SystemExit(f"benchmark.py: {what} failed:\n{text[-3000:]}") from None
 
 
-def run_limit(args: Args, folder: str, ranks: int, turns: list[int]) -> None:
+def run_limit(args: Args, flags: list[str], ranks: int, turns: list[int]) -> None:
     """time_limit of one of `ranks` ranks, one iteration per turn (in_turns), printed as JSON with this process's
     state."""
-    print(json.dumps({**time_limit(args, folder, ranks, turn=turn_taker(turns)[0]), "state": process_state(),
+    print(json.dumps({**time_limit(args, flags, ranks, turn=turn_taker(turns)[0]), "state": process_state(),
                       "peak_rss_gb": plumbing.peak_resident_gb()}))
 
 
@@ -519,10 +525,10 @@ def run_in_turns(args: Args, folder: str, against_itself: bool = False) -> tuple
     (its metrics), the limit's, and the processes' state and ppo.py's peak RSS. With against_itself, a second limit
     takes ppo.py's place, and its timed iterations come first."""
     exp_name, iterations = "benchmark_1rank_zero0", args.warmup_iterations + args.iterations
-    first = ("second limit", "run_limit", [folder, 1]) if against_itself else (
-        "ppo.py", "ppo_in_turns", [ppo_flags(args, folder, 1, 0, exp_name, iterations)])
+    flags = ppo_flags(args, folder, 1, 0, exp_name, iterations)
+    first = ("second limit", "run_limit", [flags, 1]) if against_itself else ("ppo.py", "ppo_in_turns", [flags])
     results = in_turns({name: [functools.partial(start_in_own_process, function, args, arguments)]
-                        for name, function, arguments in [first, ("limit", "run_limit", [folder, 1])]}, iterations)
+                        for name, function, arguments in [first, ("limit", "run_limit", [flags, 1])]}, iterations)
     results = {name: result for name, [result] in results.items()}
     first_timed = results[first[0]]["timed"] if against_itself else metrics_of_run(exp_name)[args.warmup_iterations:]
     return first_timed, results["limit"]["timed"], \
@@ -542,7 +548,8 @@ def two_ranks_in_turns(args: Args, folder: str) -> tuple[dict[int, list[dict]], 
         starts[stage] = [functools.partial(start_in_own_process, "ppo_in_turns", args, [flags], env={
             **rank_env(2), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port}) for rank in range(2)]
-    starts["limit"] = [functools.partial(start_in_own_process, "run_limit", args, [folder, 2], env=rank_env(2))]
+    starts["limit"] = [functools.partial(start_in_own_process, "run_limit", args,
+                                         [ppo_flags(args, folder, 2, 0, "limit", iterations), 2], env=rank_env(2))]
     results = in_turns(starts, iterations)
     return ({stage: metrics_of_run(f"benchmark_2ranks_zero{stage}")[args.warmup_iterations:]
              for stage in args.two_rank_stages}, results["limit"][0]["timed"],
@@ -561,6 +568,13 @@ def metrics_of_run(exp_name: str) -> list[dict]:
     run_dirs = sorted(d for d in os.listdir("runs") if d.startswith(exp_name + "__"))
     with open(os.path.join("runs", run_dirs[-1], "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def profile_flags(args: Args, folder: str) -> list[str]:
+    """ppo.py's flags in the profile: one rank, the actor at --profile-zero-stage, an iteration more than the
+    warm-up and timed ones (the last only ends the timed ones)."""
+    return ppo_flags(args, folder, 1, args.profile_zero_stage, "benchmark_profile",
+                     args.warmup_iterations + args.iterations + 1)
 
 
 def profile_ppo(args: Args, folder: str, between=None) -> dict:
@@ -626,17 +640,15 @@ def profile_ppo(args: Args, folder: str, between=None) -> dict:
                 return function(*a, **k)
         return wrapper
 
-    iterations = args.warmup_iterations + args.iterations + 1  # the last one only ends the timed ones
-    exec_ppo_main(ppo_flags(args, folder, 1, args.profile_zero_stage, "benchmark_profile", iterations),
-                  {key: timed(getattr(*key), name_of) for key, name_of in phase_of.items()})
+    exec_ppo_main(profile_flags(args, folder), {key: timed(getattr(*key), name_of) for key, name_of in phase_of.items()})
     timed = [ends[i + 1] - starts[i] for i in range(args.warmup_iterations, args.warmup_iterations + args.iterations)]
     return {"phases": {name: total / args.iterations for name, total in timed_totals.items()},
             "mean_iteration": statistics.mean(timed), "timed": timed}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Against TRL 1.12's PPOTrainer (--trl-python): TRL's own script builds its models and times its trainer; ppo.py runs
-# on the same models, prompts and settings. TRL stays in its own virtual environment.
+# Against TRL 1.12's PPOTrainer (--trl-python): TRL's own script builds its models and times its trainer; ppo.py and
+# its limit run on the same models, prompts and settings. TRL stays in its own virtual environment.
 # ---------------------------------------------------------------------------------------------------------------
 def run_one_rank(command: list[str], what: str) -> str:
     """A command in a fresh process with one rank's environment; its standard output, or a stop with its end."""
@@ -717,35 +729,45 @@ def write_trl_prompts_as_text(work_dir: str) -> None:
 
 
 def against_trl(args: Args) -> None:
-    """Rounds of three fresh processes taking turns, one iteration each (in_turns): ppo.py, TRL without its per-step
-    garbage collection (its script's --gc-freeze) and TRL as shipped, each on TRL's models. Each iteration runs from
-    one start to the next, the logging included, on both sides. Prints each round's median episodes per second, and
-    ppo.py's episodes per second over each TRL's, the median of the ratios of iterations next to each other in time."""
+    """Rounds of four fresh processes taking turns, one iteration each (in_turns): ppo.py, its limit (run_limit with
+    ppo.py's flags: its model calls alone), TRL without its per-step garbage collection (its script's --gc-freeze) and
+    TRL as shipped, each on TRL's models. Each iteration of ppo.py and TRL runs from one start to the next, the logging
+    included. Prints each round's median episodes per second, and ppo.py's and the limit's episodes per second over
+    each TRL's, the median of the ratios of iterations next to each other in time."""
     iterations = args.warmup_iterations + args.iterations + 1  # the last one ends without a next start: not timed
-    names = ["ppo.py", "TRL, gc.freeze()", "TRL as shipped"]
+    names = ["ppo.py", "limit", "TRL, gc.freeze()", "TRL as shipped"]
     seconds = {name: [] for name in names}  # per round: the timed iterations
     with tempfile.TemporaryDirectory() as work_dir:
         run_one_rank([args.trl_python, *trl_command(args, work_dir, 1, False)], "TRL")  # TRL's models and prompts
         write_trl_prompts_as_text(work_dir)
-        print("| round | " + " | ".join(f"{name} episodes/s" for name in names) + " |\n|---|---|---|---|", flush=True)
+        print("| round | " + " | ".join(f"{name} episodes/s" for name in names) + " |\n|" + "---|" * (len(names) + 1),
+              flush=True)
         for round_number in range(1, args.repeats + 1):
-            starts = {"ppo.py": [functools.partial(start_in_own_process, "ppo_in_turns", args,
-                                                   [ppo_flags_on_trl_models(args, work_dir, iterations)])]}
+            flags = ppo_flags_on_trl_models(args, work_dir, iterations)
+            # The limit times each iteration itself; it runs one more, in the turn where the others end their last.
+            starts = {"ppo.py": [functools.partial(start_in_own_process, "ppo_in_turns", args, [flags])],
+                      "limit": [functools.partial(start_in_own_process, "run_limit",
+                                                  replace(args, iterations=args.iterations + 1), [flags, 1])]}
             for name, gc_freeze, own_dir in [("TRL, gc.freeze()", True, "trl_gc_freeze"),
                                              ("TRL as shipped", False, "trl_as_shipped")]:  # same models, rebuilt
                 starts[name] = [functools.partial(start_trl_in_turns, args, os.path.join(work_dir, own_dir),
                                                   iterations, gc_freeze)]
             results = in_turns(starts, iterations)
             for name in names:
-                seconds[name].append(results[name][0]["seconds"][args.warmup_iterations:])
+                seconds[name].append([t["rollout"] + t["update"] for t in results[name][0]["timed"]][:args.iterations]
+                                     if name == "limit" else results[name][0]["seconds"][args.warmup_iterations:])
             print(f"| {round_number} | " + " | ".join(f"{args.episodes / statistics.median(seconds[name][-1]):.1f}"
                                                       for name in names) + " |", flush=True)
-    pairs = {name: [(p, t) for ppo_round, trl_round in zip(seconds["ppo.py"], seconds[name])
-                    for p, t in zip(ppo_round, trl_round)] for name in names[1:]}
-    print(f"\nppo.py's episodes per second over TRL's, the median over {len(pairs[names[1]])} pairs of iterations next "
-          f"to each other in time ({args.episodes} episodes each): over TRL without its garbage collection "
-          f"{statistics.median(t / p for p, t in pairs[names[1]]):.2f}, over TRL as shipped "
-          f"{statistics.median(t / p for p, t in pairs[names[2]]):.2f}")
+
+    def over(fast: str, slow: str) -> float:  # fast's episodes per second over slow's: slow's seconds over fast's
+        return statistics.median(t / f for fast_round, slow_round in zip(seconds[fast], seconds[slow])
+                                 for f, t in zip(fast_round, slow_round))
+
+    print(f"\nppo.py's episodes per second over TRL's, the median over {sum(map(len, seconds['ppo.py']))} pairs of "
+          f"iterations next to each other in time ({args.episodes} episodes each): over TRL without its garbage "
+          f"collection {over('ppo.py', names[2]):.2f}, over TRL as shipped {over('ppo.py', names[3]):.2f}. The "
+          f"limit's (ppo.py's model calls alone): over TRL without its garbage collection {over('limit', names[2]):.2f}"
+          f", over TRL as shipped {over('limit', names[3]):.2f}, over ppo.py {over('limit', 'ppo.py'):.2f}")
 
 
 def exec_ppo_main(flags: list[str], replacements: dict) -> None:
@@ -774,7 +796,7 @@ def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
     of the limit where each of ppo.py's starts, so that the machine's speed, which drifts by 10% and more within a
     minute, is the same for an iteration of each. The limit's models sit beside ppo.py's engines; the limit's
     iteration timed[i] ran just before ppo.py's timed[i]."""
-    step, summary = limit_timer(args, folder, 1, profile=True)
+    step, summary = limit_timer(args, profile_flags(args, folder), 1, profile=True)
 
     def limit_turn(iteration: int) -> None:
         if iteration < args.warmup_iterations + args.iterations:  # the last start only ends ppo.py's timed ones
@@ -789,10 +811,10 @@ def profile_between_limits(args: Args, folder: str) -> tuple[dict, dict]:
     after it, each phase averaged over the two, so that a steady drift of the machine's speed falls on both sides
     alike (over minutes this machine's speed has drifted by 10% and more). Both limits are in the returned limit's
     "before" and "after"."""
-    before = time_limit(args, folder, 1, profile=True)
+    before = time_limit(args, profile_flags(args, folder), 1, profile=True)
     get_accelerator().empty_cache()  # on a GPU, the limit's models' memory goes back before ppo.py's engines load
     ppo_profile = profile_ppo(args, folder)
-    after = time_limit(args, folder, 1, profile=True)
+    after = time_limit(args, profile_flags(args, folder), 1, profile=True)
     return ppo_profile, {"phases": {name: (before["phases"][name] + after["phases"][name]) / 2 for name in PHASES},
                          "mean_iteration": (before["mean_iteration"] + after["mean_iteration"]) / 2,
                          "before": before, "after": after}

@@ -744,6 +744,37 @@ def test_benchmark(tmp_path):
         assert ours > 0 and (limit > 0) == (name != "checks, statistics and logging"), (name, profile)
 
 
+def test_the_limit_runs_at_ppos_settings_from_its_flags(tmp_path, monkeypatch):
+    """benchmark.limit_iteration does what ppo.py run with the same flags must do: its models (the critic's own folder
+    when one is named), its sampling temperature, its learning rates, and gradient clipping only where ppo.py clips
+    (TRL's settings, in the comparison with TRL, clip none)."""
+    args = benchmark.Args(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=64, prompt_len=4,
+                          response_len=4, episodes=4)
+    benchmark.build_models(args, str(tmp_path))
+    seen = {"temperature": [], "clip": [], "lr": [], "critic": []}
+    sampling_config, adamw, from_pretrained = ppo.sampling_config, torch.optim.AdamW, \
+        benchmark.AutoModelForSequenceClassification.from_pretrained
+    monkeypatch.setattr(ppo, "sampling_config", lambda tokenizer, length, temperature: (
+        seen["temperature"].append(temperature), sampling_config(tokenizer, length, temperature))[1])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: seen["clip"].append(max_norm))
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, **k: (seen["lr"].append(lr), adamw(params, lr, **k))[1])
+    monkeypatch.setattr(benchmark.AutoModelForSequenceClassification, "from_pretrained", lambda path, **k: (
+        seen["critic"].append(path), from_pretrained(path, **k))[1])
+    flags = benchmark.ppo_flags(args, str(tmp_path), 1, 0, "limit", 1)
+    benchmark.limit_iteration(args, flags, 1)(lambda name: contextlib.nullcontext())
+    defaults = ppo.Args()
+    reward = str(tmp_path / "reward")
+    steps = 2 * args.num_ppo_epochs * args.num_mini_batches  # actor and critic, each mini-batch of each epoch
+    assert seen == {"temperature": [defaults.temperature], "clip": [defaults.gradient_clipping] * steps,
+                    "lr": [defaults.actor_learning_rate, defaults.critic_learning_rate], "critic": [reward, reward]}
+    seen = {name: [] for name in seen}
+    critic = str(shutil.copytree(reward, tmp_path / "critic"))  # a critic of its own
+    benchmark.limit_iteration(args, [*flags, "--temperature", "0.7", "--gradient-clipping", "0", "--actor-learning-rate",
+                                     "3e-6", "--critic-learning-rate", "2e-6", "--critic-model-name-or-path", critic],
+                              1)(lambda name: contextlib.nullcontext())
+    assert seen == {"temperature": [0.7], "clip": [], "lr": [3e-6, 2e-6], "critic": [critic, reward]}
+
+
 def test_zero_stages_over_zero0_pair_iterations_next_to_each_other():
     """The 2-rank line "actor ZeRO-k / ZeRO-0": each iteration at ZeRO-k over ZeRO-0's of the same round and index
     (they took turns), then the medians of the pairs' ratios (test_benchmark runs one stage only, so no such line)."""
@@ -841,7 +872,7 @@ def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
     def spend(seconds):
         clock[0] += seconds
 
-    def limit_iteration(args, folder, ranks):
+    def limit_iteration(args, flags, ranks):
         def one_iteration(phase):
             k = events.count("limit")
             events.append("limit")
