@@ -1,14 +1,14 @@
 """Benchmark: ppo.py against the limit of its own model calls.
 
-For one shape, this script builds random-init models in a temporary folder and times ppo.py on them against the
-limit: the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models, at the
-settings of ppo.py's own flags (limit_iteration): ppo.sample's sampling with the KV cache and the same stopping, the
-no-gradient forward passes of actor, reference, critic and reward in the same micro-batches, the rewards, GAE and
-whitening, and for each mini-batch the forward, backward, gradient clipping (where ppo.py clips) and fused AdamW step
-of actor and critic (in bf16 on fp32 copies of their weights, as ppo.py's mixed precision does). It has no DeepSpeed, no checks, no statistics, no logging and no
-learning-rate schedule: less work than ppo.py's iteration. Every iteration does the same work: generation runs to
-full length while any response is open, and a random model samples the EOS, one token in vocab_size + 1, too rarely
-to close all.
+For one shape, this script builds random-init models in a temporary folder and times ppo.py on them against the limit:
+the least work an iteration of ppo.py needs, done through ppo.py's own helpers on plain torch models, at the settings of
+ppo.py's own flags (limit_iteration): ppo.sample's sampling with the KV cache and the same stopping, the no-gradient
+forward passes of actor, reference, critic and reward in the same micro-batches, the rewards, GAE and whitening, and for
+each mini-batch the forward, backward, gradient clipping (where ppo.py clips) and fused AdamW step of actor and critic
+(in bf16 on fp32 copies of their weights, as ppo.py's mixed precision does). It has no DeepSpeed, no checks, no
+statistics, no logging and no learning-rate schedule: less work than ppo.py's iteration. Every iteration does the same
+work: generation runs to full length while any response is open, and a random model samples the EOS, one token in
+vocab_size + 1, too rarely to close all.
 
 A shared CPU's speed drifts by tens of percent within seconds (other machines' work on the same host), so ppo.py and
 the limit run in fresh processes that take turns, iteration by iteration, the ones waiting frozen (SIGSTOP): each
