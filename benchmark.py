@@ -915,6 +915,15 @@ def model_memory(args: Args, folder: str) -> list[dict]:
     return rows
 
 
+def two_rank_stages_here(stages: list[int]) -> list[int]:
+    """The 2-rank stages this machine can run: none where there is one GPU, which two ranks cannot share (rank 1 would
+    ask for device 1), with a line that says so; all of them on a CPU or on several GPUs."""
+    if stages and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        print(f"one GPU: the 2-rank runs (--two-rank-stages {' '.join(map(str, stages))}) need two; skipped")
+        return []
+    return stages
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.preset != "cpu":
@@ -922,6 +931,7 @@ if __name__ == "__main__":
         for key, value in PRESETS[args.preset].items():
             if getattr(args, key) == getattr(defaults, key):  # a flag given with another value wins over the preset
                 setattr(args, key, value)
+    args.two_rank_stages = two_rank_stages_here(args.two_rank_stages)
     os.makedirs("runs", exist_ok=True)
     print(settings(args), flush=True)
     profile = profile_between_limits if args.profile_limit_apart else profile_in_turns

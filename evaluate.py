@@ -19,6 +19,7 @@ import glob
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import tyro
@@ -69,6 +70,9 @@ class Args:
     """sampling temperature, as in ppo.py"""
     batch_size: PositiveInt = 64
     """prompts per generation batch"""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """the precision every model is loaded and run in, whatever its checkpoint's: a bf16 PPO actor against an fp32
+    SFT model would add the rounding of one to the KL between them"""
     num_samples: CountInt = 5
     """side-by-side samples to print"""
     metrics_file: str | None = None
@@ -120,9 +124,10 @@ def training_metrics_file(args: Args) -> str | None:
 
 
 def load_model(model_class, path: str, hint: str, args: Args, device: torch.device):
-    """A checked model folder (check_model_folder), loaded with every weight used and finite, in eval mode (dropout
-    off)."""
-    model = plumbing.load_pretrained(model_class, path, hint, trust_remote_code=args.trust_remote_code)
+    """A checked model folder (check_model_folder), loaded in --dtype with every weight used and finite, in eval mode
+    (dropout off)."""
+    model = plumbing.load_pretrained(model_class, path, hint, trust_remote_code=args.trust_remote_code,
+                                     dtype=plumbing.TORCH_DTYPES[args.dtype])
     plumbing.check_finite_weights(model, f"model {path!r}")
     return model.eval().to(device)
 

@@ -306,14 +306,29 @@ def adapters_disabled(model):
         for layer in lora_layers:
             layer.enable_adapters(True)
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights as a plain model's state dict, each LoRA adapter folded into the layer it adapts:
-    W + (alpha / r) B A under W's own name (a model without adapters: its state dict as it is)."""
-    state = {name.replace(".base_layer.", "."): value for name, value in model.state_dict().items()
-                      if "lora_" not in name}
-    for name, module in model.named_modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight("default")
+def whole_state_dict(model, zero3: bool, is_main: bool, merge_lora: bool = False) -> dict[str, torch.Tensor]:
+    """MODEL's state dict, whole, in rank 0's CPU memory (is_main; the other ranks get {}); with merge_lora, as a plain
+    model's: each LoRA adapter folded into the layer it adapts, W + (alpha / r) B A under W's own name. Under ZeRO-3
+    (zero3: every rank takes part) one tensor, or one adapted layer, is gathered at a time and copied out before the
+    next: a rank never holds more than one layer's weights whole on its device, however large the model. Tied weights
+    stay one tensor under both names, as save_pretrained expects them (it writes such a tensor once)."""
+    state, copies = {}, {}  # copies: each tensor's CPU copy, by identity, which tied names share
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        gather, saved_name, adapted = [tensor], name, None
+        if merge_lora:
+            if "lora_" in name:
+                continue  # the adapter's own weights: folded into its layer's weight
+            saved_name = name.replace(".base_layer.", ".")
+            layer = model.get_submodule(saved_name.rpartition(".")[0])
+            if isinstance(layer, peft.tuners.lora.LoraLayer) and saved_name.endswith(".weight"):
+                gather, adapted = list(layer.parameters()), layer
+        with deepspeed.zero.GatheredParameters(gather, enabled=zero3):  # a buffer, never partitioned, stays as it is
+            if is_main and adapted is not None:  # summed where the weights are, as the model sums them
+                state[saved_name] = (tensor + adapted.get_delta_weight("default")).detach().cpu()
+            elif is_main:
+                if id(tensor) not in copies:
+                    copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
+                state[saved_name] = copies[id(tensor)]
     return state
 
 # --- Data files: one split, checked for its columns and its cells; prompts as token ids. ---
@@ -564,18 +579,25 @@ def on_rank_0(function):
         raise SystemExit(result[1])
     return result[0]
 
+# What a collective says when a peer is gone: gloo's words, and NCCL's (its DistBackendError "remote process exited
+# or there was a network error", or "internal error" with the socket's "Connection closed by remote peer" as the last
+# error, and the "communicator was aborted" of the collectives after it).
+LOST_PEER = ["Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+             "remote process exited", "Connection closed by remote peer", "communicator was aborted"]
+
 def one_line_for_a_lost_rank(launchers, kind, error, trace) -> None:
     """sys.excepthook of a run of several ranks: a collective that lost its peer (a rank killed, or stopped with its
-    own message) ends this rank with one line instead of gloo's stack trace; if the launcher is gone (a peer of this
-    node left first), watch_launcher's thread says so within a second and ends the rank."""
-    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-    if not (isinstance(error, RuntimeError) and any(words in str(error) for words in lost)):
+    own message) ends this rank with one line instead of gloo's or NCCL's stack trace; if the launcher is gone (a peer
+    of this node left first), watch_launcher's thread says so within a second and ends the rank."""
+    if not (isinstance(error, RuntimeError) and any(words in str(error) for words in LOST_PEER)):
         return sys.__excepthook__(kind, error, trace)
     if launchers and not launchers_alive(launchers):
         time.sleep(10)  # watch_launcher's thread ends this rank first, with its line
-    print(f"{script()}: error: rank {dist.get_rank()} lost its connection to another rank of this run "
-          f"({str(error).split('] ')[-1].split('. ')[0]}): that rank stopped, or the launcher did; their output says "
-          "why", file=sys.stderr, flush=True)
+    # The message's first line, without the source file it names: "[pair.cc:553] Connection closed by peer ...",
+    # "NCCL error in: .../ProcessGroupNCCL.cpp:3763, remote process exited or there was a network error, ...".
+    reason = re.sub(r"^(\[[^\]]*\] )+|^NCCL error in: \S+, ", "", str(error).strip().splitlines()[0]).split(". ")[0]
+    print(f"{script()}: error: rank {dist.get_rank()} lost its connection to another rank of this run ({reason}): "
+          "that rank stopped, or the launcher did; their output says why", file=sys.stderr, flush=True)
 
 def stop_on_signals() -> None:
     """Ctrl-C or a scheduler's SIGTERM ends the run with one line, its lock released, instead of a traceback."""
@@ -614,6 +636,14 @@ def watch_launcher() -> list[tuple[int, str]]:
     if watched:
         threading.Thread(target=watch, daemon=True).start()
     return watched
+
+def rank_share(rows: list, rank: int, world_size: int, filler) -> list:
+    """This rank's share of ROWS for an evaluation on every rank: every world_size-th row from the rank-th, then
+    filler(rows[0]), a row that counts for nothing, until it is as long as the longest share. Every rank then runs the
+    same number of forward passes: under ZeRO-3 each is a collective, which a rank left with one batch fewer would
+    leave the others waiting in."""
+    share = rows[rank::world_size]
+    return share + [filler(rows[0])] * (math.ceil(len(rows) / world_size) - len(share))
 
 def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
     """Each value (a scalar tensor) summed over all ranks, in one all_reduce, in float64."""
@@ -754,13 +784,13 @@ def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dic
         stop_after_failed_write(error, os.path.join(output_dir, ".saving"), f"the model to {output_dir!r}",
                                 f"{output_dir!r} keeps what it held")
 
-def save_engine_folder(engine, tokenizer, output_dir: str, record: dict, state_dict_of=None) -> None:
-    """save_model_folder of an engine's model (state_dict_of(model): its weights), gathered whole under ZeRO-3."""
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                           enabled=engine.zero_optimization_stage() == 3):
-        if dist.get_rank() == 0:
-            save_model_folder(engine.module, tokenizer, output_dir, record,
-                              state_dict_of(engine.module) if state_dict_of else None)
+def save_engine_folder(engine, tokenizer, output_dir: str, record: dict, merge_lora: bool = False) -> None:
+    """save_model_folder of an engine's model, its weights copied to rank 0's CPU memory first (whole_state_dict: under
+    ZeRO-3 one layer gathered at a time), with merge_lora its LoRA adapters folded in; every rank takes part."""
+    is_main = dist.get_rank() == 0
+    state = whole_state_dict(engine.module, engine.zero_optimization_stage() == 3, is_main, merge_lora)
+    if is_main:
+        save_model_folder(engine.module, tokenizer, output_dir, record, state)
 
 def start_tensorboard(run_name: str, args, purge_step: int | None = None) -> SummaryWriter:
     """Rank 0's tensorboard writer in runs/RUN_NAME with the hyperparameters (Args) as a table, mirrored to wandb with
@@ -822,8 +852,8 @@ def master_weight(engine, param) -> torch.Tensor:
     return master.detach().float() if master is not None else deepspeed.utils.safe_get_full_fp32_param(param)
 
 def merged_master_weight(engine, name: str) -> torch.Tensor:
-    """The fp32 master of weight NAME of the plain model (merged_state_dict's names) of an engine whose model may
-    carry LoRA adapters: for an adapted layer's weight W + (alpha / r) B A, from the masters of all three."""
+    """The fp32 master of weight NAME of the plain model (whole_state_dict's names with merge_lora) of an engine whose
+    model may carry LoRA adapters: for an adapted layer's weight W + (alpha / r) B A, from the masters of all three."""
     layer_name, _, kind = name.rpartition(".")
     layer = engine.module.get_submodule(layer_name)
     if not isinstance(layer, peft.tuners.lora.LoraLayer):
@@ -869,13 +899,19 @@ def checkpoint_problem(checkpoint: str, engines: dict, frozen: set) -> str | Non
     return None
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
-    """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors), whole, by the
-    engine's names (every rank takes part, rank 0 writes). Returns the optimizer's step, the scheduler's state and in
-    fp16 the loss scale's."""
+    """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors) of the trained
+    parameters, whole, by the engine's names (every rank takes part, rank 0 writes); a frozen parameter (LoRA's base
+    weights with --only-optimize-lora) has only its weight, as the module holds it (in fp32). Returns the optimizer's
+    step, the scheduler's state and in fp16 the loss scale's."""
     base_optimizer = torch_optimizer(engine)
     link_optimizer_states(engine)
     weights, moments = {}, {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:  # the optimizer never had it: no master copy, no moments
+            weight = master_weight(engine, param)
+            if is_main:
+                weights[name] = weight.cpu().contiguous()
+            continue
         master = local_master(engine, param)
         if master is not None:
             state = base_optimizer.state[master]
@@ -927,6 +963,8 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
     moments = safetensors.torch.load_file(os.path.join(path, "adam.safetensors"))
     base_optimizer = torch_optimizer(engine)
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:  # frozen: load_weights has set it, and the optimizer has nothing of it
+            continue
         master = local_master(engine, param)
         if master is None:
             deepspeed.utils.safe_set_full_fp32_param(param, weights[name].to(device))
@@ -947,11 +985,13 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
         setattr(loss_scaler(engine), name, value)
 
 def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
-    """Why FOLDER cannot restore ENGINE (model.safetensors, and adam.safetensors if trained, whole and complete)."""
+    """Why FOLDER cannot restore ENGINE (model.safetensors, and adam.safetensors of its trained parameters if trained,
+    whole and complete)."""
     names = {name for name, _ in engine.module.named_parameters()}
     files = {"model.safetensors": names}
     if trained:
-        files["adam.safetensors"] = {f"{name}.{moment}" for name in names for moment in ("exp_avg", "exp_avg_sq")}
+        files["adam.safetensors"] = {f"{name}.{moment}" for name, param in engine.module.named_parameters()
+                                     if param.requires_grad for moment in ("exp_avg", "exp_avg_sq")}
     for file, expected in files.items():
         try:
             with safetensors.safe_open(os.path.join(folder, file), "pt") as f:

@@ -806,7 +806,7 @@ def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) 
     if dist.get_rank() == 0:
         plumbing.remove_earlier_runs(snapshots, saved_by["run_name"], plumbing.read_record)
     plumbing.save_engine_folder(actor, tokenizer, os.path.join(snapshots, f"iteration_{iteration}"),
-                                {**saved_by, "iteration": iteration, "finished": False}, plumbing.merged_state_dict)
+                                {**saved_by, "iteration": iteration, "finished": False}, merge_lora=True)
 
 def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device):
     """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
@@ -1239,7 +1239,7 @@ if __name__ == "__main__":
     for name, engine in [("actor", actor), ("critic", critic), ("actor_ema", ema)]:
         if engine is not None:
             plumbing.save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record,
-                                        plumbing.merged_state_dict)
+                                        merge_lora=True)
     if is_main:
         plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
                             {**plumbing.read_record(args.output_dir), "finished": True})

@@ -185,8 +185,10 @@ def right_pad(sequences: list[list[int]], pad_token_id: int) -> dict[str, torch.
 
 
 def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """B pairs -> one right-padded batch of 2B sequences: the B chosen first, then the B rejected."""
-    return right_pad([e["chosen"] for e in examples] + [e["rejected"] for e in examples], pad_token_id)
+    """B pairs -> one right-padded batch of 2B sequences, the B chosen first, then the B rejected; and `counted` [B],
+    False for the copies that only keep an evaluation's ranks in step (plumbing.rank_share)."""
+    batch = right_pad([e["chosen"] for e in examples] + [e["rejected"] for e in examples], pad_token_id)
+    return {**batch, "counted": torch.tensor([e.get("counted", True) for e in examples])}
 
 
 def deepspeed_config(args: Args) -> dict:
@@ -234,10 +236,12 @@ def evaluate(engine, loader, device) -> dict[str, float]:
     total = torch.zeros(5, device=device)  # [loss x pairs, correct pairs, chosen score sum, rejected score sum, pairs]
     for batch in loader:
         scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        chosen, rejected = scores.chunk(2)
-        loss, accuracy = rlhf_math.pairwise_reward_loss(chosen, rejected)
+        chosen, rejected = (side[batch["counted"].to(device)] for side in scores.chunk(2))
         n = len(chosen)
-        total += torch.stack([loss * n, accuracy * n, chosen.sum(), rejected.sum(), torch.tensor(float(n))])
+        if n > 0:
+            loss, accuracy = rlhf_math.pairwise_reward_loss(chosen, rejected)
+            total += torch.stack([loss * n, accuracy * n, chosen.sum(), rejected.sum(),
+                                  torch.tensor(float(n), device=device)])
     dist.all_reduce(total)
     engine.train()
     n = total[4].item()
@@ -397,9 +401,11 @@ if __name__ == "__main__":
                                        f"lr {lr:.2e}, {sps:.1f} steps/s")
     progress.close()
 
-    # Held-out figures: each rank evaluates every world_size-th pair, so that together they cover the split once.
-    eval_loader = DataLoader(eval_data[dist.get_rank() :: args.world_size], args.per_device_eval_batch_size,
-                             collate_fn=collate_fn)
+    # Held-out figures: each rank evaluates every world_size-th pair, so that together they cover the split once; a
+    # rank with one fewer evaluates a copy that is not counted too, in step with the others (plumbing.rank_share).
+    eval_share = plumbing.rank_share(eval_data, dist.get_rank(), args.world_size,
+                                     lambda pair: {**pair, "counted": False})
+    eval_loader = DataLoader(eval_share, args.per_device_eval_batch_size, collate_fn=collate_fn)
     metrics = evaluate(engine, eval_loader, device)
     if is_main:
         print(f"held-out accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f}, mean score chosen "

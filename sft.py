@@ -229,9 +229,11 @@ if __name__ == "__main__":
     train_sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_data, args.per_device_train_batch_size, sampler=train_sampler,
                               collate_fn=collate_fn, drop_last=True)
-    # Each rank evaluates every world_size-th example, so that the held-out figures cover the split exactly once.
-    eval_loader = DataLoader(eval_data[dist.get_rank() :: args.world_size], args.per_device_eval_batch_size,
-                             collate_fn=collate_fn)
+    # Each rank evaluates every world_size-th example, so that the held-out figures cover the split exactly once; a
+    # rank with one fewer evaluates a copy with no label counted too, in step with the others (plumbing.rank_share).
+    eval_share = plumbing.rank_share(eval_data, dist.get_rank(), args.world_size,
+                                     lambda example: {**example, "labels": [-100] * len(example["labels"])})
+    eval_loader = DataLoader(eval_share, args.per_device_eval_batch_size, collate_fn=collate_fn)
     args.batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if len(train_loader) < args.gradient_accumulation_steps:
         plumbing.fail(f"{len(train_data)} training rows make no optimizer step of {args.batch_size} sequences; lower "

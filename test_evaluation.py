@@ -1,6 +1,6 @@
 """The evaluation's judges and statistics, checked by hand: the toy task's gold judge (toy_task/gold_judge.py), and
 the win rate and rank correlation of evaluate.py; then evaluate.py's checks of its inputs and its reading of the
-training run's metrics, in-process (no model is loaded)."""
+training run's metrics, in-process (one model is loaded, the toy one, for its precision)."""
 
 import json
 import math
@@ -155,6 +155,18 @@ def test_a_malformed_or_latin_1_data_file_stops_with_one_line(tmp_path, monkeypa
     path = tmp_path / "data.jsonl"
     path.write_bytes(content)
     assert message in stops_with(plumbing.load_split, str(path), "test", ["prompt"])
+
+
+def test_every_model_is_loaded_in_one_precision(tmp_path):
+    """A PPO actor saved in bf16 against an SFT model saved in fp32 (ppo.py --dtype bf16 after sft.py's default): each
+    is loaded in --dtype, fp32 unless set, not in its checkpoint's, so that the KL between them measures the policies,
+    not the rounding of one."""
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained("toy_task/base_model", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    for dtype, expected in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
+        model = evaluate.load_model(AutoModelForCausalLM, str(tmp_path), "check --ppo-model", Args(dtype=dtype),
+                                    torch.device("cpu"))
+        assert {p.dtype for p in model.parameters()} == {expected}
 
 
 def test_non_finite_weights_are_refused():

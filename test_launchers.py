@@ -10,20 +10,28 @@ by test_plumbing.py.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import plumbing
+import sft
 from test_architectures import no_runs_of
+from test_plumbing import BASE_MODEL
 from test_sft_and_reward_model import (ENV, check_reward_model_folder, check_sft_folder, free_port, processes_with, run,
                                        torchrun)
 
 # One or two optimizer steps on 2 ranks. At --max-seq-len 32, SFT drops 4 of these 32 train rows (prompt, response
 # and EOS longer than 32 tokens): a line that only the job's rank 0 prints.
 FEWER_STEPS = ["--train-split", "train[:32]", "--eval-split", "test[:16]", "--per-device-train-batch-size", "8"]
+UNEVEN_EVAL = ["--eval-split", "test[:17]"]  # shares of 9 and 8 rows on 2 ranks (7 and 6 where SFT drops 4)
 
 
 def two_nodes(script, *flags, log_dir):
@@ -51,23 +59,46 @@ def two_nodes(script, *flags, log_dir):
     return outputs
 
 
+def held_out_loss(model_path: str, split: str, max_seq_len: int) -> float:
+    """sft.py's held-out loss, the mean cross-entropy per response token, of a model over a split of the toy task,
+    each row alone."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = sft.tokenize_demonstrations(plumbing.load_split("toy_task/data", split, ["prompt", "chosen"]), tokenizer,
+                                       sft.Args(max_seq_len=max_seq_len), split)
+    model, loss, tokens = AutoModelForCausalLM.from_pretrained(model_path), 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            labels = torch.tensor(row["labels"][1:])
+            logits = model(torch.tensor([row["input_ids"]])).logits[0, :-1]
+            loss += torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+            tokens += (labels != -100).sum().item()
+    return loss / tokens
+
+
 def test_sft_across_two_nodes_and_the_reward_model_under_torchrun(tmp_path):
     """SFT across two simulated nodes under ZeRO-3 with --offload (weights and the optimizer's step in CPU memory, as
     a 24 GB GPU runs it), then the reward model under ZeRO-3 on 2 ranks of one node under torchrun (which sets only
     the environment: no --local_rank), a few steps each. Node 1's rank is its node's local rank 0, not the job's rank
     0: it prints none of rank 0's lines (the dropped rows, the losses, the save); had it claimed the output folder
-    too, the lock would have stopped one of them."""
+    too, the lock would have stopped one of them. The held-out split comes in shares that make two evaluation
+    batches on one rank and one on the other (13 rows of SFT in batches of 6, 17 pairs in batches of 8): under ZeRO-3
+    the second rank must run a forward pass with the first (plumbing.rank_share), or both wait forever; and the loss
+    is still that of every row once."""
     no_runs_of("test_launchers_sft")
     no_runs_of("test_launchers_rm")
-    node_0, node_1 = two_nodes("sft.py", *FEWER_STEPS, "--max-seq-len", "32", "--zero-stage", "3", "--offload",
-                               "--output-dir", str(tmp_path / "sft"), "--exp-name", "test_launchers_sft",
-                               log_dir=tmp_path)
-    for line in ["dropped 4 of 32 rows of split 'train[:32]'", "held-out loss before training", "saved the SFT model"]:
+    node_0, node_1 = two_nodes("sft.py", *FEWER_STEPS, *UNEVEN_EVAL, "--per-device-eval-batch-size", "6",
+                               "--max-seq-len", "32", "--zero-stage", "3", "--offload", "--output-dir",
+                               str(tmp_path / "sft"), "--exp-name", "test_launchers_sft", log_dir=tmp_path)
+    for line in ["dropped 4 of 32 rows of split 'train[:32]'", "dropped 4 of 17 rows of split 'test[:17]'",
+                 "held-out loss before training", "saved the SFT model"]:
         assert line in node_0 and line not in node_1, line
+    start_loss = float(re.search(r"held-out loss before training ([\d.]+)", node_0)[1])
+    assert start_loss == pytest.approx(held_out_loss(BASE_MODEL, "test[:17]", 32), abs=1e-4)
     check_sft_folder(str(tmp_path / "sft"))
-    reward_model = run("reward_model.py", *FEWER_STEPS, "--model-name-or-path", str(tmp_path / "sft"),
-                       "--zero-stage", "3", "--normalization-samples", "16", "--output-dir", str(tmp_path / "rm"),
-                       "--exp-name", "test_launchers_rm", ranks=2, launch=torchrun)
+    reward_model = run("reward_model.py", *FEWER_STEPS, *UNEVEN_EVAL, "--per-device-eval-batch-size", "8",
+                       "--model-name-or-path", str(tmp_path / "sft"), "--zero-stage", "3", "--normalization-samples",
+                       "16", "--output-dir", str(tmp_path / "rm"), "--exp-name", "test_launchers_rm", ranks=2,
+                       launch=torchrun)
     assert "reward normalization: on 16 responses" in reward_model.stdout
     check_reward_model_folder(str(tmp_path / "rm"))
     assert not (tmp_path / "rm" / ".lock").exists()  # plumbing.end_run ran the exit handlers before leaving

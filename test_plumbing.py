@@ -508,15 +508,24 @@ def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(monkeypatch):
 
 def test_a_lost_rank_ends_the_surviving_rank_with_one_line(monkeypatch, capsys):
     """The excepthook init_distributed sets on several ranks: gloo's error for a peer that went away (as a 2-rank
-    ppo.py printed it when rank 1 was killed) becomes one line; any other error keeps its stack trace."""
+    ppo.py printed it when rank 1 was killed), and NCCL's on a GPU (as torch 2.x words it: a DistBackendError of
+    several lines, the source file first), becomes one line; any other error keeps its stack trace."""
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     lost = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                         "peer [127.0.0.1]:2237. This is typically caused by a remote worker crashing. Check the logs")
-    plumbing.one_line_for_a_lost_rank([], RuntimeError, lost, None)
-    assert capsys.readouterr().err == ("ppo.py: error: rank 0 lost its connection to another rank of this run "
-                                       "(Connection closed by peer [127.0.0.1]:2237): that rank stopped, or the "
-                                       "launcher did; their output says why\n")
+    nccl_lost = dist.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3763, remote process exited or there "
+        "was a network error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network error or a "
+        "remote process exiting prematurely.\nLast error:\nsocketProgress: Connection closed by remote peer")
+    nccl_aborted = dist.DistBackendError("[Rank 1] NCCL communicator was aborted on rank 1.")
+    for error, reason in [(lost, "Connection closed by peer [127.0.0.1]:2237"),
+                          (nccl_lost, "remote process exited or there was a network error, NCCL version 2.27.5"),
+                          (nccl_aborted, "NCCL communicator was aborted on rank 1.")]:
+        plumbing.one_line_for_a_lost_rank([], type(error), error, None)
+        assert capsys.readouterr().err == (f"ppo.py: error: rank 0 lost its connection to another rank of this run "
+                                           f"({reason}): that rank stopped, or the launcher did; their output says "
+                                           "why\n")
     try:
         raise RuntimeError("a bug")
     except RuntimeError as error:
@@ -675,3 +684,20 @@ def test_peak_resident_memory_is_the_process_own():
     _, _, rusage = os.wait4(child.pid, 0)
     assert own < 0.1 and rusage.ru_maxrss / 2**20 > 1.5, (own, rusage.ru_maxrss)
     del held
+
+
+def test_every_rank_evaluates_the_same_number_of_rows():
+    """rank_share: each row of a held-out split on one rank (every world_size-th), and each rank as many rows as the
+    longest share, the shorter ones filled with rows that count for nothing: under ZeRO-3 every forward pass is a
+    collective, which a rank with one batch fewer would leave the others waiting in."""
+    rows = [{"id": i} for i in range(7)]
+
+    def filler(row):
+        return {**row, "counted": False}
+
+    shares = [plumbing.rank_share(rows, rank, 3, filler) for rank in range(3)]
+    assert [[row["id"] for row in share] for share in shares] == [[0, 3, 6], [1, 4, 0], [2, 5, 0]]
+    assert [[row.get("counted", True) for row in share] for share in shares] == [[True] * 3, [True, True, False],
+                                                                                 [True, True, False]]
+    assert plumbing.rank_share(rows[:2], 2, 4, filler) == [{"id": 0, "counted": False}]  # fewer rows than ranks
+    assert plumbing.rank_share(rows, 0, 1, filler) == rows

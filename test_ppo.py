@@ -224,7 +224,7 @@ ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "-
 
 @pytest.mark.parametrize("ranks, sigs, flags", [
     (None, [signal.SIGTERM, signal.SIGKILL], ["--enable-ema", "--actor-lora-dim", "4", "--critic-lora-dim", "4",
-                                              "--target-kl", "0.01", "--kl-horizon", "100"]),
+                                              "--only-optimize-lora", "--target-kl", "0.01", "--kl-horizon", "100"]),
     (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--enable-ema", "--ema-decay", "0.5",
                            "--unsup-dataset", "toy_task/pretrain.txt", "--actor-lora-dim", "4", "--critic-lora-dim",
                            "4", *ONE_STEP_PER_ITERATION]),
@@ -232,7 +232,8 @@ ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "-
 def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
     """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
     uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included, and
-    the EMA, the LoRA adapters and the adaptive KL coefficient end where they would have (on two ranks with the actor
+    the EMA, the LoRA adapters (on one rank trained alone, --only-optimize-lora, the rest frozen) and the adaptive KL
+    coefficient end where they would have (on two ranks with the actor
     under ZeRO-3, the critic's LoRA under ZeRO-2 and the pretraining mix, the EMA checked against the actor's weight
     history too: check_ema; the state in fp16 and bf16: test_mixed_precision_resume_keeps_master_weights_and_scale).
     On one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
@@ -775,6 +776,17 @@ def test_the_limit_runs_at_ppos_settings_from_its_flags(tmp_path, monkeypatch):
     assert seen == {"temperature": [0.7], "clip": [], "lr": [3e-6, 2e-6], "critic": [critic, reward]}
 
 
+def test_benchmark_leaves_out_the_two_rank_runs_on_one_gpu(monkeypatch, capsys):
+    """On a machine with one GPU the 2-rank runs cannot start (rank 1 would ask for device 1): the benchmark leaves
+    them out at its start, saying so, instead of failing after the 1-rank rounds. (CUDA's answers stubbed here.)"""
+    assert benchmark.two_rank_stages_here([0, 2, 3]) == [0, 2, 3]  # this machine's CPU: two ranks share it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpus, expected in [(8, [0, 2, 3]), (1, [])]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        assert benchmark.two_rank_stages_here([0, 2, 3]) == expected
+    assert capsys.readouterr().out == "one GPU: the 2-rank runs (--two-rank-stages 0 2 3) need two; skipped\n"
+
+
 def test_zero_stages_over_zero0_pair_iterations_next_to_each_other():
     """The 2-rank line "actor ZeRO-k / ZeRO-0": each iteration at ZeRO-k over ZeRO-0's of the same round and index
     (they took turns), then the medians of the pairs' ratios (test_benchmark runs one stage only, so no such line)."""
@@ -980,8 +992,8 @@ def test_lora_trains_only_the_adapters(stages, tmp_path):
 
 
 def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
-    """plumbing.merged_state_dict folds the adapters in: the saved folder loads with from_pretrained, without peft, and gives
-    the log-probs of the model with adapters."""
+    """plumbing.whole_state_dict(merge_lora=True) folds the adapters in: the saved folder loads with from_pretrained,
+    without peft, and gives the log-probs of the model with adapters."""
     tokenizer = AutoTokenizer.from_pretrained(stages[1])
     model = plumbing.add_lora(AutoModelForCausalLM.from_pretrained(stages[1]), 4, ppo.Args())
     torch.manual_seed(0)
@@ -1001,7 +1013,7 @@ def test_lora_merged_save_gives_the_adapter_model_log_probs(stages, tmp_path):
     with plumbing.adapters_disabled(model):
         assert not torch.allclose(logprobs(model), adapter_logprobs)  # the adapters do change the model
     plumbing.save_model_folder(model, tokenizer, str(tmp_path / "merged"), {"script": "ppo.py"},
-                               plumbing.merged_state_dict(model))
+                               plumbing.whole_state_dict(model, zero3=False, is_main=True, merge_lora=True))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name in merged.state_dict())
     torch.testing.assert_close(logprobs(merged), adapter_logprobs, rtol=1e-5, atol=1e-5)  # float rounding
@@ -1049,11 +1061,12 @@ for mode, stage in [(mode, stage) for mode in ("on", "off") for stage in (0, 1, 
 
 MIXED_PRECISION_RESUME_SCRIPT = """
 ids = torch.tensor([[5, 6, 7, 8]])
-for dtype in ("fp16", "bf16"):
-    args = ppo.Args(per_device_train_batch_size=1, num_iterations=1, dtype=dtype)
+# LoRA's adapters trained beside the whole model (two parameter groups), or alone (--only-optimize-lora: the rest frozen)
+for dtype, only_lora in [("fp16", False), ("bf16", False), ("bf16", True)]:
+    args = ppo.Args(per_device_train_batch_size=1, num_iterations=1, dtype=dtype, only_optimize_lora=only_lora)
     args.gradient_accumulation_steps = 1
     for stage in (0, 2, 3):
-        def engine():  # with LoRA: two parameter groups, the whole model's and the adapters'
+        def engine():
             config = ppo.deepspeed_config(stage, True, False, args)
             config["fp16"]["initial_scale_power"] = 8
             return ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model", config, args, 1e-3,
@@ -1063,7 +1076,7 @@ for dtype in ("fp16", "bf16"):
             overflow = dtype == "fp16" and step == 1
             trained.backward(trained(input_ids=ids, labels=ids).loss * (float("inf") if overflow else 1.0))
             trained.step()
-        folder = os.path.join(sys.argv[2], dtype, str(stage))
+        folder = os.path.join(sys.argv[2], dtype, str(only_lora), str(stage))
         saved = json.loads(json.dumps(plumbing.save_training_state(trained, folder, True)))  # as state.json keeps it
         resumed = engine()
         plumbing.load_training_state(resumed, folder, saved, torch.device("cpu"))
@@ -1072,21 +1085,23 @@ for dtype in ("fp16", "bf16"):
         plumbing.save_training_state(resumed, folder + "_resumed", True)  # Adam's moments, as the resumed run has them
         moments = [safetensors.torch.load_file(os.path.join(f, "adam.safetensors"))
                    for f in (folder, folder + "_resumed")]
-        same_moments = moments[0].keys() == moments[1].keys() and any("lora_" in name for name in moments[0]) and all(
-            torch.equal(moments[0][name], moments[1][name]) and moments[0][name].abs().sum() > 0 for name in moments[0])
-        print(json.dumps({"dtype": dtype, "stage": stage, "trained": plumbing.loss_scale(trained),
-                          "resumed": plumbing.loss_scale(resumed), "new": plumbing.loss_scale(engine()),
-                          "same_weights": same_weights, "same_moments": same_moments}))
+        adapted = [name for name in moments[0] if "lora_" in name]  # the frozen weights have none
+        same_moments = moments[0].keys() == moments[1].keys() and adapted and (adapted == list(moments[0])) == only_lora \
+            and all(torch.equal(moments[0][n], moments[1][n]) and moments[0][n].abs().sum() > 0 for n in moments[0])
+        print(json.dumps({"dtype": dtype, "only_lora": only_lora, "stage": stage,
+                          "trained": plumbing.loss_scale(trained), "resumed": plumbing.loss_scale(resumed),
+                          "new": plumbing.loss_scale(engine()), "same_weights": same_weights,
+                          "same_moments": bool(same_moments)}))
 """
 
 
 @pytest.fixture(scope="module")
 def deepspeed_internals(tmp_path_factory):
-    """What ALIGN_OVERFLOW_SCRIPT, MIXED_PRECISION_RESUME_SCRIPT and GATHERED_SCRIPT print, run in this order in one
-    process after SET_UP."""
+    """What ALIGN_OVERFLOW_SCRIPT, MIXED_PRECISION_RESUME_SCRIPT, GATHERED_SCRIPT and SAVE_SCRIPT print, run in this
+    order in one process after SET_UP."""
     folder = tmp_path_factory.mktemp("internals")
     script = folder / "deepspeed_internals.py"
-    script.write_text(SET_UP + ALIGN_OVERFLOW_SCRIPT + MIXED_PRECISION_RESUME_SCRIPT + GATHERED_SCRIPT)
+    script.write_text(SET_UP + ALIGN_OVERFLOW_SCRIPT + MIXED_PRECISION_RESUME_SCRIPT + GATHERED_SCRIPT + SAVE_SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(free_port()), str(folder)], capture_output=True,
                             text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -1106,10 +1121,11 @@ def test_mixed_precision_resume_keeps_master_weights_and_scale(deepspeed_interna
     """fp16 and bf16 at ZeRO 0, 2 and 3, with LoRA (a second parameter group): a checkpoint keeps the fp32 master
     weights (at ZeRO-0 DeepSpeed's fp32 copies) and every group's Adam moments, and in fp16 DeepSpeed's dynamic loss
     scale after an overflow (the scale halved at ZeRO-0, the hysteresis spent at ZeRO 2 and 3, the steps since the
-    overflow counted); --resume restores them all instead of starting over."""
+    overflow counted); --resume restores them all instead of starting over. With --only-optimize-lora (bf16) the
+    frozen weights are kept as they are, and only the adapters have moments."""
     states = [json.loads(line) for line in deepspeed_internals.splitlines() if line.startswith('{"dtype"')]
-    assert [(state["dtype"], state["stage"]) for state in states] == [(d, s) for d in ("fp16", "bf16")
-                                                                      for s in (0, 2, 3)]
+    assert [(state["dtype"], state["only_lora"], state["stage"]) for state in states] == \
+        [(d, only, s) for d, only in [("fp16", False), ("bf16", False), ("bf16", True)] for s in (0, 2, 3)]
     for state in states:
         assert state["same_weights"] and state["same_moments"], state
         if state["dtype"] == "fp16":
@@ -1171,4 +1187,75 @@ def test_gathered_rollout_weights_are_whole_and_hooks_come_back(deepspeed_intern
     module order it traced (it would trace it again, without prefetching, if the hooks were registered anew), and an
     optimizer step gives what it gives without the gathering, and under ZeRO-0 (no parameter kept whole under ZeRO-3).
     A DeepSpeed release that renames those attributes fails here."""
-    assert deepspeed_internals.splitlines()[-2:] == ["trained=False: ok", "trained=True: ok"], deepspeed_internals
+    assert [line for line in deepspeed_internals.splitlines() if line.startswith("trained=")] == \
+        ["trained=False: ok", "trained=True: ok"], deepspeed_internals
+
+
+SAVE_SCRIPT = """
+import filecmp, peft
+from transformers import AutoTokenizer
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model")
+gathered_enter = GatheredParameters.__enter__
+
+
+def whole_at_once(model, merge_lora):
+    # The state dict the saves wrote before whole_state_dict, from a model whose weights are all gathered at once.
+    if not merge_lora:
+        return None  # save_pretrained's own: model.state_dict()
+    state = {name.replace(".base_layer.", "."): value for name, value in model.state_dict().items()
+             if "lora_" not in name}
+    for name, module in model.named_modules():
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight("default")
+    return state
+
+
+for stage, lora in [(3, 0), (3, 2), (0, 2)]:
+    torch.manual_seed(0)
+    model = ppo.init_engine(AutoModelForCausalLM, "toy_task/base_model", "the toy model",
+                            ppo.deepspeed_config(stage, True, False, args), args, 1e-2, lora_dim=lora,
+                            lora_learning_rate=1e-2)
+    model.backward(model(input_ids=ids, labels=ids).loss)
+    model.step()  # the weights, and the adapters' B, move from where they started
+    params = list(model.module.parameters())
+    peak = [0]  # the most elements whole at once on this rank, at the start of any gathering
+
+    def counting_enter(self):
+        gathered_enter(self)
+        whole = [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE]
+        peak[0] = max(peak[0], sum(p.ds_numel for p in whole))
+
+    GatheredParameters.__enter__ = counting_enter
+    folder = os.path.join(sys.argv[2], f"save_{stage}_{lora}")
+    record = {"script": "ppo.py", "finished": True}
+    plumbing.save_engine_folder(model, tokenizer, os.path.join(folder, "layer_by_layer"), record, merge_lora=True)
+    GatheredParameters.__enter__ = gathered_enter
+    with GatheredParameters(params, enabled=stage == 3):
+        plumbing.save_model_folder(model.module, tokenizer, os.path.join(folder, "at_once"), record,
+                                   whole_at_once(model.module, merge_lora=bool(lora)))
+    names = sorted(os.listdir(os.path.join(folder, "at_once")))
+    same = names == sorted(os.listdir(os.path.join(folder, "layer_by_layer"))) and all(filecmp.cmp(
+        os.path.join(folder, "at_once", name), os.path.join(folder, "layer_by_layer", name), shallow=False)
+        for name in names)
+    # One layer: a module's own weights, or a LoRA layer's with its adapters
+    layers = [m.parameters() if isinstance(m, peft.tuners.lora.LoraLayer) else m.parameters(recurse=False)
+              for m in model.module.modules()]
+    print(json.dumps({"save": [stage, lora], "same_bytes": same, "files": names, "peak": peak[0],
+                      "largest_layer": max(sum(getattr(p, "ds_numel", p.numel()) for p in layer) for layer in layers),
+                      "model": sum(getattr(p, "ds_numel", p.numel()) for p in params)}))
+"""
+
+
+def test_saves_gather_one_layer_at_a_time_and_write_the_same_folder(deepspeed_internals):
+    """plumbing.save_engine_folder (the final models, the snapshots, sft.py and reward_model.py): under ZeRO-3 no
+    more than one layer's weights are whole at once on a rank (a model that fits a GPU only in shards would not fit
+    gathered whole), LoRA adapters folded in layer by layer; and the folder is byte for byte the one written from the
+    whole model gathered at once, with and without adapters, under ZeRO-3 and ZeRO-0 (tied embeddings included: the
+    toy model's output layer is its embedding)."""
+    saves = [json.loads(line) for line in deepspeed_internals.splitlines() if line.startswith('{"save"')]
+    assert [save["save"] for save in saves] == [[3, 0], [3, 2], [0, 2]], deepspeed_internals[-2000:]
+    for save in saves:
+        assert save["same_bytes"] and "model.safetensors" in save["files"], save
+        assert 0 < save["peak"] <= save["largest_layer"] < save["model"] / 5 if save["save"][0] == 3 else \
+            save["peak"] == 0, save

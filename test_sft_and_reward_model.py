@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import deepspeed
 import pytest
@@ -28,6 +29,7 @@ import plumbing
 from plumbing import free_port
 import ppo
 import reward_model
+import rlhf_math
 import sft
 # bad is a pytest fixture, used by name
 from test_plumbing import BASE_MODEL, bad, check_stops  # noqa: F401
@@ -386,3 +388,86 @@ def test_every_stage_takes_the_local_rank_the_deepspeed_launcher_passes():
     """deepspeed starts each rank with `--local_rank=N` (torchrun only sets LOCAL_RANK): every stage must take it."""
     for stage in (sft, reward_model, ppo):
         assert tyro.cli(stage.Args, args=["--local_rank=1"]).local_rank == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What runs on a CPU must run on a GPU
+# ---------------------------------------------------------------------------------------------------------------
+def one_rank_process_group(monkeypatch):
+    """A process group of this process alone, as a stage run here (run_in_process) leaves one, for the collectives of
+    the helpers called in-process."""
+    if not torch.distributed.is_initialized():
+        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=free_port()).items():
+            monkeypatch.setenv(name, value)
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def test_stage_helpers_make_their_tensors_where_their_inputs_are(monkeypatch):
+    """On a GPU a tensor made without device= lands on the CPU and stops the run where it meets the model's tensors
+    (reward_model.evaluate did so at its first held-out batch). Here the stages' evaluation, statistics, rollout and
+    update helpers run on models and batches in CPU memory while torch's default device is `meta`: a tensor made
+    without the device of what it meets is then a meta tensor, and the first operation that joins it with theirs
+    fails, as it would on CUDA. The inputs are made before, as the stages make them on the CPU before moving them."""
+    one_rank_process_group(monkeypatch)
+    cpu = torch.device("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    tokenizer.padding_side = "left"
+    policy = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
+    scorer = AutoModelForSequenceClassification.from_pretrained(BASE_MODEL, num_labels=1).eval()
+    engine = types.SimpleNamespace(module=scorer, eval=scorer.eval, train=scorer.train)
+    actor = types.SimpleNamespace(module=policy, eval=policy.eval, train=policy.train,
+                                  zero_optimization_stage=lambda: 0)
+    texts = ["I watched this film and", "The story was", "A film about a dog that"]
+    demonstrations = sft.tokenize_demonstrations([{"prompt": t, "chosen": " it was good."} for t in texts], tokenizer,
+                                                 sft.Args(), "test")
+    pairs = reward_model.tokenize_pairs([{"prompt": t, "chosen": " good.", "rejected": " bad."} for t in texts],
+                                        tokenizer, reward_model.Args(), "test")
+    # Each batch with a copy that counts for nothing, as plumbing.rank_share fills a short share: the figures must be
+    # those of the batch alone.
+    no_label = {**demonstrations[0], "labels": [-100] * len(demonstrations[0]["labels"])}
+    sft_batches = [sft.collate([*demonstrations, no_label], tokenizer.pad_token_id)]
+    pair_batches = [reward_model.collate([*pairs, {**pairs[0], "counted": False}], tokenizer.pad_token_id)]
+    alone = (sft.evaluate(policy, [sft.collate(demonstrations, tokenizer.pad_token_id)], cpu),
+             reward_model.evaluate(engine, [reward_model.collate(pairs, tokenizer.pad_token_id)], cpu))
+    padded = tokenizer.pad({"input_ids": [tokenizer(t)["input_ids"] for t in texts]}, return_tensors="pt")
+    args = ppo.Args(world_size=1, batch_size=3, num_iterations=2, gradient_accumulation_steps=1,
+                    per_device_train_batch_size=2, target_kl=0.1)
+    with torch.device("meta"):
+        assert sft.evaluate(policy, sft_batches, cpu) == pytest.approx(alone[0], rel=1e-6)
+        assert reward_model.evaluate(engine, pair_batches, cpu) == pytest.approx(alone[1], rel=1e-6)
+        # ppo.py's rollout, as its loop calls the helpers
+        P, config = padded["input_ids"].shape[1], ppo.sampling_config(tokenizer, 6, 1.0)
+        responses = ppo.sample_responses(actor, padded["input_ids"], padded["attention_mask"], config, False, False,
+                                         0, 0)
+        response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
+        sequences = torch.cat([padded["input_ids"], responses], dim=1)
+        attention_mask = torch.cat([padded["attention_mask"], response_mask], dim=1)
+        logprobs = ppo.in_micro_batches(ppo.response_logprobs, 2, policy, sequences, attention_mask, P, 1.0)
+        values = ppo.in_micro_batches(ppo.critic_values, 2, scorer, sequences, attention_mask, P, 0.5, 2.0)
+        scores = ppo.in_micro_batches(ppo.reward_scores, 2, scorer, sequences, attention_mask, P, 0.5, 2.0,
+                                      tokenizer, tokenizer)  # decoded and tokenized again, as for another tokenizer
+        ppo.check_finite_rollout(response_mask, logprobs, logprobs, values, scores, 0, 0)
+        valid = response_mask.sum(dim=1) >= 1
+        rewards, kl = rlhf_math.per_token_rewards(scores, logprobs, logprobs - 0.1, response_mask, 0.05, 5.0, "k3")
+        rewards = rlhf_math.masked_whiten(rewards, response_mask, shift_mean=False,
+                                          stats=ppo.batch_mean_var(rewards, response_mask, across_ranks=True))
+        advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, response_mask, 1.0, 0.95)
+        advantages = rlhf_math.masked_whiten(advantages, response_mask,
+                                             stats=ppo.batch_mean_var(advantages, response_mask, across_ranks=False))
+        # ... and its update, one micro-batch
+        mini_batches = torch.randperm(3, device=cpu).split(3)
+        tokens = ppo.tokens_per_mini_batch(response_mask, mini_batches)
+        new_logits = ppo.response_logits(policy, sequences, attention_mask, P)
+        new_logprobs = rlhf_math.logprobs_from_logits(new_logits, sequences[:, P:], 1.0)
+        pg_loss, pg_stats = rlhf_math.policy_loss(new_logprobs, logprobs, advantages, response_mask, 0.2)
+        vf_loss, vf_clipfrac = rlhf_math.value_loss(values + 0.1, values, returns, response_mask, 0.2)
+        ppo.check_update(new_logprobs, {"mask": response_mask, "logprobs": logprobs}, pg_loss, vf_loss, False, 0, args)
+        assert torch.isfinite(ppo.loss_weight(response_mask, tokens[0], args) * pg_loss)
+        sums = ppo.new_update_sums(cpu)
+        ppo.add_update_sums(sums, new_logits, response_mask, pg_loss, vf_loss, pg_stats, vf_clipfrac, args)
+        rollout = dict(kl=kl, scores=scores, valid=valid, logprobs=logprobs, update_mask=response_mask,
+                       response_mask=response_mask, contains_eos=(responses == tokenizer.eos_token_id).any(dim=1))
+        times = {"eps": 1.0, "time/rollout": 1.0, "time/generation": 1.0, "time/update": 1.0}
+        metrics = ppo.iteration_metrics(sums, rollout, 0.05, 1e-5, 0, times, args)
+        assert math.isfinite(metrics["objective/kl"]) and ppo.adapted_kl_coef(0.05, kl, valid, args) > 0
