@@ -50,7 +50,7 @@ free_port() { $python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1
 
 # figure NAME STATUS: the figure that matters for step NAME, read from its log or its outputs.
 figure() {
-    $python - "$out" "$1" "$2" <<'PYTHON'
+    $python - "$out" "$1" "$2" 2>/dev/null <<'PYTHON' || echo "no figure: see logs/$1.log"
 import json, os, re, sys
 out, name, status = sys.argv[1:]
 log = open(os.path.join(out, "logs", f"{name}.log"), errors="replace").read()
