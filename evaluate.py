@@ -15,7 +15,6 @@ policy along training: where the proxy keeps rising and the truth stops, PPO is 
     python evaluate.py                 # after sft.py, reward_model.py and ppo.py on the bundled toy task
 """
 
-import glob
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -30,7 +29,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 import rlhf_math
 from plumbing import CountInt, PositiveFloat, PositiveInt, Seed
-from ppo import check_score_head, response_logprobs, reward_scores, sample, sampling_config, score_normalization
+from ppo import (check_not_saved_by_ppo, check_score_head, response_logprobs, reward_scores, sample, sampling_config,
+                 score_normalization)
 from toy_task.gold_judge import gold_score
 
 
@@ -93,7 +93,7 @@ def check_evaluation_dir(args: Args) -> None:
     probe = os.path.join(args.output_dir, f".probe_{os.getpid()}")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(probe, "w"):
+        with plumbing.open_own(probe):
             pass
         os.remove(probe)
     except OSError as error:
@@ -121,6 +121,26 @@ def training_metrics_file(args: Args) -> str | None:
               "--metrics-file)")
         return None
     return metrics_file
+
+
+def snapshots_of_run(args: Args) -> list[str]:
+    """The snapshots in --snapshots-dir (iteration_N folders; iteration_N.tmp is a save cut short), oldest first, that
+    the run which trained --ppo-model saved (their records' run_name): another run's are left out, said."""
+    folder = args.snapshots_dir
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    snapshots = sorted(filter(None, (plumbing.own_path(folder, name, plumbing.ITERATION_FOLDER, is_dir=True)
+                                     for name in names)), key=lambda path: int(path.rsplit("_", 1)[1]))
+    run_name = (plumbing.read_record(args.ppo_model) or {}).get("run_name")
+    if run_name is None:
+        if snapshots:
+            print(f"--ppo-model {args.ppo_model!r} names no run (no {plumbing.RECORD}): the snapshots in {folder} are "
+                  "taken as its run's")
+        return snapshots
+    others = [path for path in snapshots if (plumbing.read_record(path) or {}).get("run_name") != run_name]
+    if others:
+        print(f"left out {len(others)} snapshots in {folder} that another run saved than --ppo-model's ({run_name}): "
+              f"{', '.join(os.path.basename(path) for path in others[:3])}")
+    return [path for path in snapshots if path not in others]
 
 
 def load_model(model_class, path: str, hint: str, args: Args, device: torch.device):
@@ -240,11 +260,13 @@ def read_metrics(metrics_file: str) -> list[dict]:
 
 
 def save_figure(fig, path: str) -> None:
-    """The picture as a PNG file, or one line (evaluation.json, written before any picture, is whole)."""
+    """The picture as a PNG file, never written through a link, or one line (evaluation.json, written before any
+    picture, is whole)."""
     try:
-        fig.savefig(path, dpi=100)
+        with plumbing.open_own(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
     except OSError as error:
-        plumbing.fail(f"cannot write {path!r} ({error.strerror}); free some space and run again")
+        plumbing.fail(f"cannot write {path!r} ({error.strerror}); {plumbing.write_fix(error)} and run again")
 
 
 def plot_training(metrics_file: str, path: str) -> None:
@@ -311,14 +333,13 @@ if __name__ == "__main__":
         plumbing.keep_freed_memory()  # as every rank of the three stages has it (detail 44)
     if args.snapshots_dir is None:
         args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
-    # iteration_N only: a save cut short leaves iteration_N.tmp.
-    snapshots = sorted([path for path in glob.glob(os.path.join(args.snapshots_dir, "iteration_*"))
-                        if path.rsplit("_", 1)[1].isdigit()], key=lambda path: int(path.rsplit("_", 1)[1]))
+    snapshots = snapshots_of_run(args)
     models = [(args.sft_model, "check --sft-model"), (args.ppo_model, "check --ppo-model"),
               (args.reward_model, "check --reward-model")] + [(path, "check --snapshots-dir") for path in snapshots]
     for path, hint in models:
         plumbing.check_model_folder(path, hint)
     args.metrics_file = training_metrics_file(args)
+    check_not_saved_by_ppo(args.reward_model, "--reward-model")
 
     # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
     tokenizer = plumbing.load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
@@ -333,6 +354,11 @@ if __name__ == "__main__":
     for path, flag, path_tokenizer in [(args.sft_model, "--sft-model", tokenizer), (args.ppo_model, "--ppo-model",
                                        tokenizer), (args.reward_model, "--reward-model", reward_tokenizer)]:
         plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
+    # The SFT model reads the PPO policy's and the snapshots' ids, the reward model every policy's (in the same tokens).
+    readers = {"--reward-model": args.reward_model} if reward_tokenizer is None else {}
+    plumbing.check_embedding_rows("--sft-model", args.sft_model, readers, args.trust_remote_code)
+    for path, flag in [(args.ppo_model, "--ppo-model")] + [(path, "--snapshots-dir") for path in snapshots]:
+        plumbing.check_embedding_rows(flag, path, {"--sft-model": args.sft_model, **readers}, args.trust_remote_code)
     prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
                                     args.assistant_marker if args.split_conversations else None)
 

@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import ctypes
 import difflib
+import errno
 import functools
 import hashlib
 import json
@@ -16,6 +17,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -135,17 +137,17 @@ def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, *
 
 def folder_identity(path: str | None) -> str | None:
     """What identifies a model folder when it is moved or named another way, and tells it from a model put in its
-    place: a hash of its config.json and of each safetensors file's name, size, first and last MiB. A hub name (or
-    None) stands for itself."""
+    place, even one changed in a single weight: a SHA-256 of its config.json and of each safetensors file, name and
+    whole content (read once, about 1 GB/s: a second for a 1B-parameter model in bf16). A hub name (or None) stands
+    for itself."""
     if path is None or not os.path.isdir(path):
         return path
     digest = hashlib.sha256()
     for name in sorted(name for name in os.listdir(path) if name == "config.json" or name.endswith(".safetensors")):
         with open(os.path.join(path, name), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            digest.update(f"{name} {size}".encode() + f.read(2**20))
-            f.seek(max(size - 2**20, 0))
-            digest.update(f.read())
+            digest.update(f"{name} {os.fstat(f.fileno()).st_size}".encode())
+            while block := f.read(2**24):
+                digest.update(block)
     return digest.hexdigest()
 
 def check_finite_weights(model, name: str) -> None:
@@ -192,6 +194,19 @@ def check_vocabulary(tokenizer, path: str, hint: str, trust_remote_code: bool, a
         fail(f"the tokenizer has {len(tokenizer) - added} tokens but the model in {path!r} embeds only {rows}: tokens "
              "were added to it without model.resize_token_embeddings(len(tokenizer)); resize the model's embeddings "
              f"and save it with its tokenizer, or {hint}")
+
+def check_embedding_rows(flag: str, path: str, readers: dict[str, str], trust_remote_code: bool) -> None:
+    """The model at PATH (FLAG) samples from every row of its output layer (config.json's vocab_size, rows that pad
+    the vocabulary included); each model that reads those ids (READERS: flag -> path) must embed them all, or a
+    sampled id past its rows stops the run with an IndexError deep inside it."""
+    def rows(folder):
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code).get_text_config().vocab_size
+    sampled = rows(path)
+    for reader_flag, reader in readers.items():
+        if rows(reader) < sampled:
+            fail(f"{flag} {path!r} samples token ids from {sampled} rows, but {reader_flag} {reader!r} embeds only "
+                 f"{rows(reader)}: an id past them would stop the run; give models of one vocabulary size (resize "
+                 f"the smaller one's embeddings with model.resize_token_embeddings({sampled}) and save it)")
 
 def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: bool):
     """The tokenizer of the model at PATH if its tokens are not TOKENIZER's (text is then tokenized again for it, which
@@ -332,13 +347,40 @@ def whole_state_dict(model, zero3: bool, is_main: bool, merge_lora: bool = False
     return state
 
 # --- Data files: one split, checked for its columns and its cells; prompts as token ids. ---
+DATA_FORMATS = {".json": "JSON", ".jsonl": "JSON", ".parquet": "Parquet", ".csv": "CSV", ".txt": "text",
+                ".arrow": "Arrow"}  # the data files `datasets` reads from a folder, by their loader
+
+def check_data_folder(folder: str, flag: str) -> None:
+    """A local data folder must hold its data files in one format, each once: `datasets` reads the files of one
+    format and leaves the others out unsaid (train.jsonl beside train.parquet), and reads both of train.json and
+    train.jsonl (one loader)."""
+    files = []
+    for root, folders, names in os.walk(folder):
+        folders[:] = sorted(name for name in folders if not name.startswith((".", "_")))  # as `datasets` skips them
+        files += [os.path.relpath(os.path.join(root, name), folder) for name in sorted(names)
+                  if os.path.splitext(name)[1] in DATA_FORMATS and not name.startswith((".", "_"))]
+    formats = {}
+    for file in files:
+        formats.setdefault(DATA_FORMATS[os.path.splitext(file)[1]], file)
+    if len(formats) > 1:
+        fail(f"{flag} {folder!r} holds data files of {len(formats)} formats ({', '.join(formats.values())}): only "
+             "one format would be read, the other files left out; keep the files of one format in the folder")
+    stems = [os.path.splitext(file)[0] for file in files]
+    twice = [file for file in files if stems.count(os.path.splitext(file)[0]) > 1]
+    if twice:
+        fail(f"{flag} {folder!r} holds {' and '.join(twice[:2])}: the same data twice, and both would be read; keep "
+             "one of them")
+
 def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
-               extensions: tuple = (".json", ".jsonl", ".parquet")) -> datasets.Dataset:
+               extensions: tuple = (".json", ".jsonl", ".parquet"), hint: str | None = None) -> datasets.Dataset:
     """One split of a hub data set (config: its configuration name, if it has several) or of a local file or folder,
-    checked for the columns we need; a one-line error that names the flag to fix otherwise."""
+    checked for the columns we need; a one-line error that names the flag to fix otherwise (and HINT, if given, for a
+    missing column)."""
     kinds = f"{', '.join(extensions[:-1])} or {extensions[-1]}"
     if not os.path.exists(dataset) and not is_hub_name(dataset):
         fail(f"no data set at {dataset!r}; check {flag}")
+    if os.path.isdir(dataset):
+        check_data_folder(dataset, flag)
     if os.path.isfile(dataset) and not dataset.endswith(extensions):
         fail(f"{flag} {dataset!r} is not a {kinds} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
@@ -367,10 +409,11 @@ def load_split(dataset: str, split: str, columns: list[str], flag: str = "--data
              f"{flag} (a UTF-8 {kinds} file) and the split flags")
     missing = [c for c in columns if c not in data.column_names]
     if missing:
-        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names)
+        hh_rlhf = {"chosen", "rejected"} <= set(data.column_names) and hint is None
         fail(f"data set {dataset!r} split {split!r} has no column {missing}; its columns are {data.column_names}"
              + ("; if 'chosen' and 'rejected' each hold the whole conversation (the hh-rlhf layout), pass "
-                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else ""))
+                "--split-conversations (ppo.py and evaluate.py also --prompt-column chosen)" if hh_rlhf else "")
+             + (f"; {hint}" if hint else ""))
     try:  # pyarrow loads bytes that are not UTF-8 into a text column: reading that row would fail with a traceback
         data.select_columns(columns).data.validate(full=True)
     except ValueError as error:
@@ -405,7 +448,11 @@ def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_
         text = text_of(row, i, column, split)
         if assistant_marker is not None:
             text = split_conversation(text, assistant_marker, where)[0]
-        return tokenizer(text, split_special_tokens=True)["input_ids"]
+        ids = tokenizer(text, split_special_tokens=True)["input_ids"]
+        if not ids:  # a forward pass over no token at all fails deep inside the model
+            fail(f"{where}: the prompt {text[:40]!r} is no token at all in this tokenizer (its normalizer drops the "
+                 "text); fix or remove the row, or use a tokenizer that reads it")
+        return ids
     if tokenizer.chat_template is None:
         fail(f"{where} holds chat messages, but the tokenizer has no chat template; use a tokenizer that has one (an "
              "instruct or chat model's) or give the prompts as text")
@@ -420,11 +467,23 @@ def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_
     text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+def response_ids(tokenizer, text: str, where: str) -> list:
+    """The token ids of a response, then EOS: text as it is (text that spells "<|endoftext|>" stays text, never a real
+    EOS). A response that is no token at all (the tokenizer's normalizer drops its text) stops with one line naming
+    WHERE it is: it would teach, or be scored as, an empty answer."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if not ids:
+        fail(f"{where}: the response {text[:40]!r} is no token at all in this tokenizer (its normalizer drops the "
+             "text); fix or remove the row, or use a tokenizer that reads it")
+    return ids + [tokenizer.eos_token_id]
+
 def load_text_blocks(tokenizer, dataset: str, config: str | None, column: str, block_len: int, min_blocks: int,
-                     flag: str = "--unsup-dataset") -> torch.Tensor:
+                     flag: str = "--unsup-dataset", column_flag: str = "--unsup-text-column") -> torch.Tensor:
     """Plain text (a .txt file, a column of a data file, or a hub data set), tokenized, joined with EOS between
     documents and cut into blocks of BLOCK_LEN tokens, at least MIN_BLOCKS of them: [blocks, block_len]."""
-    data = load_split(dataset, "train", [column], flag, config, (".txt", ".json", ".jsonl", ".parquet"))
+    data = load_split(dataset, "train", [column], flag, config, (".txt", ".json", ".jsonl", ".parquet"),
+                      hint=f"{flag} is plain text to learn from: a .txt file, or a data set whose column of text "
+                           f"{column_flag} names")
     texts = [text for text in data[column] if isinstance(text, str) and text.strip()]
     if not texts:
         fail(f"{flag} {dataset!r} holds no text, only blank lines or empty cells")
@@ -655,24 +714,59 @@ def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
 RECORD = "training_run.json"  # in every folder a stage writes: the script, run name and arguments that wrote it
 
 def read_record(folder: str) -> dict | None:
-    """The training_run.json of a folder, or None if it has none that reads."""
-    with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, RECORD)) as f:
+    """The training_run.json of a folder, or None if it has none that reads (or only a link to one)."""
+    with contextlib.suppress(OSError, ValueError), open(own_path(folder, RECORD, SAVED_FILE) or os.devnull) as f:
         record = json.load(f)
         return record if isinstance(record, dict) else None
     return None
 
+# Names read back from an output folder (its record, `latest`) are untrusted: one is used only if it is a name of the
+# kind this project writes there (one of these patterns: never a path, never hidden) and names a regular file or
+# folder, never a link (own_path).
+SAVED_FILE = re.compile(r"(model|adapter_model)(-\d+-of-\d+)?\.safetensors(\.index\.json)?|(config|generation_config|"
+                        r"tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|chat_template)\.json|"
+                        r"(vocab|merges)\.txt|chat_template\.jinja|\w[\w.-]*\.(model|tiktoken)|training_run\.json")
+ITERATION_FOLDER = re.compile(r"iteration_\d+")  # a checkpoint (resume/) or snapshot (snapshots/); .tmp while written
+RUN_NAME = re.compile(r"[^/\x00]+__\d+__\d+(_\d+)?")  # new_run_name's: EXP_NAME__SEED__TIME, _N if taken
+
+def own_path(folder: str, name, pattern: re.Pattern, is_dir: bool = False) -> str | None:
+    """FOLDER/NAME if NAME (read back from a file: untrusted) is a name that this project writes in FOLDER (PATTERN)
+    and a regular file there (is_dir: a folder), not a link; else None."""
+    if not (isinstance(name, str) and pattern.fullmatch(name)):
+        return None
+    path = os.path.join(folder, name)
+    mode = os.lstat(path).st_mode if os.path.lexists(path) else 0
+    return path if (stat.S_ISDIR(mode) if is_dir else stat.S_ISREG(mode)) else None
+
+def write_fix(error: OSError) -> str:
+    """What to do about a failed write: a link or a folder where a file of the run goes, no permission, a full disk."""
+    if error.errno == errno.ELOOP:
+        return "it is a link, and a run never writes through one: remove the link"
+    if error.errno == errno.EISDIR:
+        return "a folder is in its place: move it away"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make it writable"
+    return "free some space"
+
+def open_own(path: str, mode: str = "w"):
+    """open(PATH, MODE), to write ("w", "wb") or append ("a"), for a file of the run's own: never through a link
+    (O_NOFOLLOW), which would write over the file it points to."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o666), mode)
+
 def write_json(path: str, value) -> None:
     """Write a JSON file whole or not at all: a temporary file, flushed to disk, renamed into place; or one line."""
     try:
-        with open(path + ".tmp", "w") as f:
+        with open_own(path + ".tmp") as f:
             json.dump(value, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
-    except OSError as error:  # a full disk, a folder made read-only meanwhile
+    except OSError as error:  # a full disk, a folder made read-only meanwhile, a link put there
         with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        fail(f"cannot write {path!r} ({error.strerror}); free some space and run again")
+            if not os.path.islink(path + ".tmp"):
+                os.remove(path + ".tmp")
+        fail(f"cannot write {path!r} ({error.strerror}); {write_fix(error)} and run again")
 
 WRITE_ERRORS = (OSError, safetensors.SafetensorError)  # a full disk, a quota, a folder made read-only meanwhile
 
@@ -708,12 +802,29 @@ def check_output_dir(output_dir: str, inputs: dict[str, str | None]) -> None:
             fail(f"--output-dir {output_dir!r} is inside {flag} {path!r}, which this run reads (its files would "
                  "become part of it); name a folder outside it")
 
-def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool) -> None:
-    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: not an input nor holding one; if not
-    empty, an earlier output of this script (its training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock
-    (host and pid) keeps a second run out while this one lives; a lock left by a killed run is taken over."""
+def refuse_links(output_dir: str, subfolders: list[str]) -> None:
+    """Stop with one line if a run would write through a link in OUTPUT_DIR: its staging folder .saving, or anything
+    in the SUBFOLDERS it writes (snapshots/, resume/, ...), which a save would otherwise write into the folder the link
+    points to, or empty."""
+    paths = [os.path.join(output_dir, name) for name in [".saving", *subfolders]]
+    for path in list(paths):
+        if os.path.isdir(path) and not os.path.islink(path):
+            paths += [os.path.join(root, name) for root, folders, files in os.walk(path) for name in folders + files]
+    for path in paths:
+        if os.path.islink(path):
+            fail(f"{path!r} is a link (to {os.readlink(path)!r}) inside --output-dir: the run writes there and never "
+                 "through a link; remove the link, or name another --output-dir")
+
+def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool,
+                     subfolders: list[str] = ()) -> None:
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: neither it nor the SUBFOLDERS the run
+    writes in it an input nor holding one, nor a link inside it; if not empty, an earlier output of this script (its
+    training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock (host and pid) keeps a second run out while this
+    one lives; a lock left by a killed run is taken over."""
     script_name = script()
-    check_output_dir(output_dir, inputs)
+    for path in [output_dir] + [os.path.join(output_dir, name) for name in subfolders]:
+        check_output_dir(path, inputs)
+    refuse_links(output_dir, list(subfolders))
     ours = (read_record(output_dir) or {}).get("script") == script_name
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         if not ours:
@@ -728,6 +839,8 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
                 f.write(me)
             break
         except FileExistsError:
+            if own_path(output_dir, ".lock", re.compile(r"\.lock")) is None:
+                fail(f"{lock!r} is a folder or a link, not a run's lock file; remove it")
             host, pid = (open(lock).read().split() + ["?", "0"])[:2]
             if host != socket.gethostname() or pid_alive(int(pid) if pid.isdigit() else 0):
                 fail(f"--output-dir {output_dir!r} is in use by another run (pid {pid} on {host}); wait for it to end "
@@ -743,16 +856,46 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
     if not ours:
         write_json(os.path.join(output_dir, RECORD), {"script": script_name, "finished": False})
 
+def open_log(path: str):
+    """A log file of the run (metrics.jsonl, trace.jsonl) opened to append to, never through a link, or one line."""
+    try:
+        return open_own(path, "a")
+    except OSError as error:
+        fail(f"cannot write to {path!r} ({error.strerror}); {write_fix(error)}, then run again (with --resume to "
+             "continue the run)")
+
 def append_line(file, line: str) -> None:
     """LINE appended to an open log file and flushed to it, or one line on a full disk."""
     try:
         file.write(line + "\n")
         file.flush()
     except OSError as error:
-        fail(f"cannot write to {file.name!r} ({error.strerror}); free some space, then continue the run with --resume")
+        fail(f"cannot write to {file.name!r} ({error.strerror}); {write_fix(error)}, then continue the run with "
+             "--resume")
+
+def new_run_name(exp_name: str, seed: int) -> str:
+    """A new run's name, EXP_NAME__SEED__TIME (cleanrl's), and its folder runs/RUN_NAME (tensorboard logs, ppo.py's
+    metrics.jsonl), made for it alone before anything loads: a run started in the same second under the same name
+    gets RUN_NAME_2 (and so on), and says so, instead of sharing its logs."""
+    if "/" in exp_name or os.sep in exp_name or exp_name in ("", ".", ".."):
+        fail(f"--exp-name {exp_name!r} must be a plain name (no '/'): it names the run's folder in runs/")
+    base = f"{exp_name}__{seed}__{int(time.time())}"
+    for number in range(1, 1000):
+        run_name = base if number == 1 else f"{base}_{number}"
+        try:
+            os.makedirs("runs", exist_ok=True)
+            os.mkdir(os.path.join("runs", run_name))  # exclusive: two runs never get one folder
+        except FileExistsError:
+            continue
+        except OSError as error:
+            fail(f"cannot write the run's logs to runs/{run_name} ({error.strerror}); run from a folder you can write")
+        if number > 1:
+            print(f"runs/{base} is another run's (started in the same second): this run logs to runs/{run_name}")
+        return run_name
+    fail(f"runs/{base} and 998 more names like it are taken; pass another --exp-name")
 
 def make_run_dir(run_name: str) -> str:
-    """runs/RUN_NAME, for the tensorboard logs (and ppo.py's metrics.jsonl), made before anything loads."""
+    """runs/RUN_NAME of a run that continues (--resume), made again if it is gone, before anything loads."""
     path = os.path.join("runs", run_name)
     try:
         os.makedirs(path, exist_ok=True)
@@ -763,17 +906,28 @@ def make_run_dir(run_name: str) -> str:
 def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
     """The model as an ordinary Hugging Face folder (safetensors of state_dict or the model's own, tokenizer, record),
     written in OUTPUT_DIR/.saving, flushed and moved into place file by file: a run killed while saving leaves the
-    earlier model whole. Files that an earlier save wrote (its record lists them) and this one does not are removed."""
+    earlier model whole. Files that an earlier save wrote (its record lists them) and this one does not are removed:
+    only names a save writes (SAVED_FILE), of regular files in the folder; any other name listed is left alone, said."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, ".saving")
+        refuse_links(output_dir, [])
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         saved = os.listdir(staging) + [RECORD]
         write_json(os.path.join(staging, RECORD), {**record, "files": sorted(saved)})
         fsync_tree(staging)
-        for name in set((read_record(output_dir) or {}).get("files", [])) - set(saved):
+        listed = (read_record(output_dir) or {}).get("files")
+        listed = listed if isinstance(listed, list) else []
+        earlier = [name for name in listed if name not in saved and own_path(output_dir, name, SAVED_FILE)]
+        gone = [name for name in listed if isinstance(name, str) and SAVED_FILE.fullmatch(name)
+                and not os.path.lexists(os.path.join(output_dir, name))]  # removed already: nothing to do
+        ignored = [name for name in listed if name not in saved + earlier + gone]
+        if ignored:
+            print(f"{os.path.join(output_dir, RECORD)} lists {len(ignored)} names that are no files of a save there "
+                  f"({', '.join(map(repr, ignored[:3]))}): left alone")
+        for name in earlier:
             with contextlib.suppress(FileNotFoundError):  # an earlier save's file (its record names it) not written now
                 os.remove(os.path.join(output_dir, name))
         for name in sorted(saved, key=lambda name: name == RECORD):  # the record last: it says the folder is complete
@@ -1001,11 +1155,26 @@ def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
             return f"{os.path.basename(folder)}/{file}: {' '.join(str(error).split())[:200]}"
     return None
 
+def same_layout(value, template) -> bool:
+    """Whether VALUE, read back from a JSON file (untrusted), has TEMPLATE's layout: the same keys, list lengths and
+    kinds of values (a number for a number, a bool for a bool, text for text), all the way down."""
+    if isinstance(template, dict):
+        return isinstance(value, dict) and value.keys() == template.keys() and \
+            all(same_layout(value[key], template[key]) for key in template)
+    if isinstance(template, (list, tuple)):
+        return isinstance(value, list) and len(value) == len(template) and all(map(same_layout, value, template))
+    if isinstance(template, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(template, bool)
+    if isinstance(template, (int, float)):
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return type(value) is type(template)
+
 def complete_checkpoints(checkpoint_dir: str) -> list[str]:
     """The complete checkpoints (renamed from .tmp) in CHECKPOINT_DIR, newest first, the one `latest` names first."""
     if not os.path.isdir(checkpoint_dir):
         return []
-    names = sorted((name for name in os.listdir(checkpoint_dir) if re.fullmatch(r"iteration_\d+", name)),
+    names = sorted((name for name in os.listdir(checkpoint_dir)
+                    if own_path(checkpoint_dir, name, ITERATION_FOLDER, is_dir=True)),
                    key=lambda name: int(name.removeprefix("iteration_")), reverse=True)
     with contextlib.suppress(OSError), open(os.path.join(checkpoint_dir, "latest")) as f:
         latest = f.read().strip()
@@ -1017,38 +1186,46 @@ def commit_checkpoint(path: str) -> None:
     """Rank 0: PATH.tmp flushed and renamed to PATH, then named in `latest`; one older kept (if latest is damaged)."""
     checkpoint_dir = os.path.dirname(path)
     fsync_tree(path + ".tmp")
+    refuse_links(checkpoint_dir, [os.path.basename(path)])
     shutil.rmtree(path, ignore_errors=True)
     os.replace(path + ".tmp", path)
-    with open(os.path.join(checkpoint_dir, "latest.tmp"), "w") as f:
+    with open_own(os.path.join(checkpoint_dir, "latest.tmp")) as f:
         f.write(os.path.basename(path))
     fsync_tree(checkpoint_dir)
     os.replace(os.path.join(checkpoint_dir, "latest.tmp"), os.path.join(checkpoint_dir, "latest"))
     fsync_tree(checkpoint_dir)
     keep = [os.path.basename(c) for c in complete_checkpoints(checkpoint_dir)[:2]]
-    for old in os.listdir(checkpoint_dir):  # older checkpoints, and a temporary folder left by a kill
-        if old.startswith("iteration_") and old not in keep:
+    ours = re.compile(ITERATION_FOLDER.pattern + r"(\.tmp)?")  # older checkpoints, and the folder of one cut short
+    for old in os.listdir(checkpoint_dir):
+        if old not in keep and own_path(checkpoint_dir, old, ours, is_dir=True):
             shutil.rmtree(os.path.join(checkpoint_dir, old))
 
 def remove_earlier_runs(folder: str, run_name: str, record_of) -> None:
-    """Rank 0, as a run writes into FOLDER (snapshots/, resume/): each subfolder whose record (record_of(path)) names
-    another run of this script goes; nothing else does. An earlier run's work stays until then."""
+    """Rank 0, as a run writes into FOLDER (snapshots/, resume/): each iteration_N folder whose record (record_of(path))
+    names another run of this script goes; nothing else does. An earlier run's work stays until then."""
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        if (record_of(os.path.join(folder, name)) or {}).get("run_name") not in (None, run_name):
-            shutil.rmtree(os.path.join(folder, name))
+        path = own_path(folder, name, ITERATION_FOLDER, is_dir=True)
+        if path and (record_of(path) or {}).get("run_name") not in (None, run_name):
+            shutil.rmtree(path)
 
 def continue_metrics_file(path: str, iteration: int) -> None:
     """On --resume, the metrics.jsonl keeps the lines up to the checkpoint's ITERATION: not later or cut-short ones."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return
     kept = []
-    with open(path) as f:
-        for line in f:
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                if json.loads(line)["iteration"] <= iteration:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    try:
+        if os.path.islink(path):
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    if json.loads(line)["iteration"] <= iteration:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open_own(path + ".tmp") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    except OSError as error:
+        fail(f"cannot continue {path!r} ({error.strerror}); {write_fix(error)} and run again")
 
 def found_overflow(engine) -> bool:
     """Whether this accumulation's fp16 gradients hold inf or NaN, the way the engine's optimizer will see it in

@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
@@ -320,8 +321,13 @@ def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
 def score_normalization(config) -> tuple[float, float]:
     """The reward_mean and reward_std that reward_model.py stored in a model's config: the mean and standard deviation
     of its scores of the SFT policy's responses. (0, 1), no normalization, for a config without them."""
+    if hasattr(config, "reward_mean") != hasattr(config, "reward_std"):
+        has, lacks = ("reward_mean", "reward_std") if hasattr(config, "reward_mean") else ("reward_std", "reward_mean")
+        plumbing.fail(f"{config.name_or_path!r}'s config.json has {has} but no {lacks}: the scores would be normalized "
+                      f"by half a rule; run reward_model.py again on it, or delete {has} for no normalization")
     mean, std = getattr(config, "reward_mean", 0.0), getattr(config, "reward_std", 1.0)
-    if not (all(isinstance(value, (int, float)) and math.isfinite(value) for value in (mean, std)) and std > 0):
+    if not (all(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                for value in (mean, std)) and std > 0):
         plumbing.fail(f"the score normalization in {config.name_or_path!r}'s config.json, reward_mean {mean!r} and "
                       f"reward_std {std!r}, must be numbers with reward_std > 0: run reward_model.py again on it, or "
                       "delete both for none")
@@ -333,14 +339,17 @@ def check_normalization(config, actor_identity: str, args: Args) -> None:
     std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so. actor_identity: the actor folder's
     plumbing.folder_identity, as start_run read it. A config without reward_std (not reward_model.py's): said too."""
     measured = getattr(config, "reward_normalization", None)
+    if measured is not None and not isinstance(measured, dict):
+        measured = {}  # not reward_model.py's: every setting below is said to differ
     if dist.get_rank() == 0 and not hasattr(config, "reward_std"):
         print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
               "are used unnormalized")
     if measured is None or dist.get_rank() != 0:
         return
     this = {"policy_identity": actor_identity, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
-    differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured['policy']!r})"
-              if key == "policy_identity" else f"--{key.replace('_', '-')} {value!r} (measured with {measured[key]!r})"
+    differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured.get('policy')!r})"
+              if key == "policy_identity" else
+              f"--{key.replace('_', '-')} {value!r} (measured with {measured.get(key)!r})"
               for key, value in this.items() if measured.get(key) != value]
     if differ:
         print(f"warning: the reward model's reward_mean and reward_std were measured on other responses: "
@@ -473,6 +482,7 @@ def check_models(args: Args, is_main: bool):
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         plumbing.fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
                       "a model saved by sft.py has one")
+    check_not_saved_by_ppo(args.reward_model_name_or_path, "--reward-model-name-or-path")
     reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model_name_or_path, "check "
                                                      "--reward-model-name-or-path", tokenizer, args.trust_remote_code)
     # The critic reads the actor's tokens: a reward model that reads others cannot be its start.
@@ -483,6 +493,10 @@ def check_models(args: Args, is_main: bool):
                                        tokenizer), (args.reward_model_name_or_path, "reward", reward_tokenizer)]:
         plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check --{flag}-model-name-or-path",
                                   args.trust_remote_code)
+    # The reference and the critic (and the reward model, in the actor's tokens) read the ids the actor samples.
+    readers = {"--reward-model-name-or-path": args.reward_model_name_or_path} if reward_tokenizer is None else {}
+    plumbing.check_embedding_rows("--actor-model-name-or-path", args.actor_model_name_or_path,
+                                  {**readers, "--critic-model-name-or-path": critic_path}, args.trust_remote_code)
     if reward_tokenizer and is_main:
         print("the reward model has another tokenizer than the actor: every prompt + response is decoded to text and "
               f"tokenized again for it; the critic starts from {critic_path!r}")
@@ -602,6 +616,13 @@ def check_score_head(model, path: str, flag: str) -> None:
         plumbing.fail(f"{path!r} must be a 1-label AutoModelForSequenceClassification with a linear `score` head, as "
                       f"reward_model.py saves it (it has {model.config.num_labels} labels); check {flag}")
 
+def check_not_saved_by_ppo(path: str, flag: str) -> None:
+    """A folder that ppo.py saved (an actor or a critic: its training_run.json says so) is no reward model, though a
+    critic loads as one: its value head would become the reward."""
+    if (plumbing.read_record(path) or {}).get("script") == "ppo.py":
+        plumbing.fail(f"{flag} {path!r} was saved by ppo.py (a trained actor or critic, says its {plumbing.RECORD}), "
+                      "not by reward_model.py: a critic's values are no reward; give reward_model.py's output folder")
+
 def zero_stages(args: Args) -> dict[str, int]:
     """Each model's ZeRO stage. The reference follows the actor's and the reward model the critic's, but only ZeRO-3 is
     worth anything to a model without gradients or optimizer (it shards the parameters), so both are ZeRO-3 or plain
@@ -709,15 +730,39 @@ RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_
                      "actor_gradient_checkpointing", "critic_gradient_checkpointing", "release_inference_cache",
                      "unpin_actor_parameters", "tp_gather_partition_size", "actor_model_name_or_path",
                      "reward_model_name_or_path", "critic_model_name_or_path"]
+OUTPUT_SUBFOLDERS = ["actor", "critic", "actor_ema", "snapshots", "resume"]  # what a run writes in --output-dir
+LAST_VALID_BATCH = ["sequences", "attention_mask", "logprobs", "values", "advantages", "returns", "mask", "P"]
 RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gradient_accumulation_steps",
                   "num_iterations"]
 
+STATE_TYPES = {"iteration": int, "kl_coef": (int, float), "actor": dict, "critic": dict, "args": dict}
+
 def read_state(checkpoint: str) -> dict | None:
-    """A checkpoint's state.json, or None if it does not read."""
+    """A checkpoint's state.json, or None if it does not read or a value in it is not of its type (STATE_TYPES; a
+    file read back from the output folder is untrusted)."""
     with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint, "state.json")) as f:
         state = json.load(f)
-        return state if isinstance(state, dict) and {"iteration", "kl_coef", "actor", "critic", "args"} <= set(state) \
-            else None
+        if isinstance(state, dict) and all(isinstance(state.get(key), kind) and not isinstance(state[key], bool)
+                                           for key, kind in STATE_TYPES.items()) \
+                and isinstance(state.get("run_name", ""), str) and math.isfinite(state["kl_coef"]):
+            return state
+    return None
+
+def state_problem(checkpoint: str, state: dict, actor, critic, args: Args) -> str | None:
+    """Why a checkpoint's state (read_state's) cannot continue this run, or None: its iteration must be one of the
+    run's, the optimizer's and the scheduler's states those of the engines (plumbing.same_layout), each rank's last
+    valid batch a rollout's tensors."""
+    if not 1 <= state["iteration"] <= args.num_iterations:
+        return f"its iteration {state['iteration']} is not one of the run's 1 to {args.num_iterations}"
+    for name, engine in [("actor", actor), ("critic", critic)]:
+        if not plumbing.same_layout(state[name], {"adam_step": 0, "scheduler": engine.lr_scheduler.state_dict(),
+                                                  "loss_scale": plumbing.loss_scale(engine)}):
+            return f"its state.json's {name!r} is not the optimizer and scheduler state of this run's {name}"
+    for file in os.listdir(checkpoint):
+        if file.startswith("last_valid_batch_rank"):
+            with safetensors.safe_open(os.path.join(checkpoint, file), "pt") as f:
+                if set(f.keys()) != set(LAST_VALID_BATCH):
+                    return f"{file} does not hold a rollout's tensors"
     return None
 
 def start_run(args: Args) -> dict:
@@ -732,7 +777,7 @@ def start_run(args: Args) -> dict:
     identities = {flag: plumbing.folder_identity(path) for flag, path in inputs.items() if "model" in flag}
     record = plumbing.read_record(args.output_dir) or {}  # an earlier run's, if ppo.py wrote this folder before
     record = record if record.get("script") == "ppo.py" else {}
-    plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite)
+    plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite, OUTPUT_SUBFOLDERS)
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     # The checkpoints of the folder's run: one whose state.json does not read stays (load_checkpoint says why it skips
     # it), as does one written before checkpoints named their run.
@@ -741,10 +786,17 @@ def start_run(args: Args) -> dict:
     if args.resume:
         if "run_name" not in record:
             plumbing.fail(f"--resume: no run of ppo.py in {args.output_dir!r} to continue")
+        if not (isinstance(record["run_name"], str) and plumbing.RUN_NAME.fullmatch(record["run_name"])
+                and isinstance(record.get("inputs", {}), dict)):
+            plumbing.fail(f"--resume: {os.path.join(args.output_dir, plumbing.RECORD)} is damaged (its run_name or "
+                          "inputs are not those ppo.py writes); start a new run with --overwrite")
         if record.get("finished"):
             plumbing.fail(f"--resume: the run in {args.output_dir!r} has finished all its iterations; nothing to "
                           "resume (its actor and critic are in actor/ and critic/)")
         states = [state for state in map(read_state, checkpoints) if state is not None]
+        if not states and checkpoints:
+            plumbing.fail(f"--resume: the state.json of every checkpoint in {checkpoint_dir} is missing or damaged; "
+                          "start a new run with --overwrite")
         if not states:
             plumbing.fail(f"--resume: no complete checkpoint in {checkpoint_dir}; run with --save-every N first")
         changed = plumbing.changed_settings(states[0]["args"], args, RESUME_MAY_CHANGE + RUNTIME_FIELDS)
@@ -755,17 +807,33 @@ def start_run(args: Args) -> dict:
         if replaced:
             plumbing.fail(f"--resume: {replaced[0]} {inputs[replaced[0]]!r} does not hold the model the run started "
                           "from (its files differ); name that model's folder, wherever it is now")
-        run_name, metrics_file = record["run_name"], record["metrics_file"]
+        run_name = record["run_name"]
+        metrics_file = metrics_file_of(record, run_name)
+        plumbing.make_run_dir(run_name)
     else:
         if checkpoints and not record.get("finished") and not args.overwrite:
             plumbing.fail(f"{args.output_dir!r} holds checkpoints of an unfinished run "
                           f"({os.path.basename(checkpoints[0])}): continue it with --resume, or pass --overwrite to "
                           "start a new run, which deletes them")
         checkpoints = []  # the earlier run's record, checkpoints and snapshots stay until this run writes its own
-        run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_name = plumbing.new_run_name(args.exp_name, args.seed)
         metrics_file = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
-    plumbing.make_run_dir(run_name)
     return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints, "inputs": identities}
+
+def metrics_file_of(record: dict, run_name: str) -> str:
+    """The metrics.jsonl a resumed run continues (and rewrites, up to its checkpoint): the one the folder's record
+    names if that is runs/RUN_NAME/metrics.jsonl of this run and a regular file or none, else, said, a new one in
+    runs/RUN_NAME here (a name read back from the output folder is untrusted)."""
+    named = record.get("metrics_file")
+    if isinstance(named, str) and os.path.isabs(named) and \
+            named.split(os.sep)[-3:] == ["runs", run_name, "metrics.jsonl"] and \
+            (not os.path.lexists(named) or plumbing.own_path(os.path.dirname(named), "metrics.jsonl",
+                                                             re.compile(r"metrics\.jsonl"))):
+        return named
+    here = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
+    print(f"the run's record names {named!r} as its metrics file, which is no runs/{run_name}/metrics.jsonl file: "
+          f"left alone; the metrics go to {here}")
+    return here
 
 def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_valid_rollout, run_name: str,
                     args: Args) -> None:
@@ -786,7 +854,8 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_val
             plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
         rollout, P = last_valid_rollout
         os.makedirs(path + ".tmp", exist_ok=True)
-        safetensors.torch.save_file({**{k: v.cpu().contiguous() for k, v in rollout.items()}, "P": torch.tensor(P)},
+        safetensors.torch.save_file({**{k: rollout[k].cpu().contiguous() for k in LAST_VALID_BATCH[:-1]},
+                                     "P": torch.tensor(P)},
                                     os.path.join(path + ".tmp", f"last_valid_batch_rank{dist.get_rank()}.safetensors"))
         dist.barrier()  # every rank's batch is written before rank 0 commits
         if is_main:
@@ -815,8 +884,10 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
     is_main = dist.get_rank() == 0
     engines = {"actor": actor, "critic": critic, **({"actor_ema": ema} if ema is not None else {})}
     for resume_dir in checkpoints:
-        problem = "its state.json is missing or damaged" if read_state(resume_dir) is None else \
-            plumbing.checkpoint_problem(resume_dir, engines, frozen={"actor_ema"})
+        state = read_state(resume_dir)
+        problem = "its state.json is missing or damaged" if state is None else \
+            plumbing.checkpoint_problem(resume_dir, engines, frozen={"actor_ema"}) or \
+            state_problem(resume_dir, state, actor, critic, args)
         if problem is None:
             break
         if is_main:
@@ -824,7 +895,6 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
     else:
         plumbing.fail(f"--resume: no checkpoint in {os.path.join(args.output_dir, 'resume')} reads whole; start a "
                       "new run with --overwrite")
-    state = read_state(resume_dir)
     plumbing.load_training_state(actor, os.path.join(resume_dir, "actor"), state["actor"], device)
     plumbing.load_training_state(critic, os.path.join(resume_dir, "critic"), state["critic"], device)
     if ema is not None:
@@ -853,10 +923,13 @@ def start_logging(run: dict, start_iteration: int, args: Args):
             "args": asdict(args), "inputs": run["inputs"]})
     writer = plumbing.start_tensorboard(run["run_name"], args,
                                         purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
-    for path in [run["metrics_file"], os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl")]:
+    trace_file = os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl")
+    for path in [run["metrics_file"], trace_file]:
         plumbing.continue_metrics_file(path, start_iteration)
+    if args.trace_every:
+        plumbing.open_log(trace_file).close()  # writable: checked before the first iteration
     print(f"{args.num_iterations} iterations of {args.batch_size} episodes; logging to {writer.log_dir}")
-    return writer, open(run["metrics_file"], "a")
+    return writer, plumbing.open_log(run["metrics_file"])
 
 def new_update_sums(device) -> dict[str, torch.Tensor]:
     """Sums over this rank's in-mask tokens of every micro-batch of an iteration's update, for the token means."""
@@ -960,6 +1033,10 @@ def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs,
     pool = seen if seen.any() else torch.ones_like(seen)
     stopped = responses[:, -1] == tokenizer.pad_token_id  # an EOS before the limit, then padding
     wanted = pool & mask.bool().any(dim=1) & (stopped if args.trace_response == "stopped" else ~stopped)
+    if not wanted.any():
+        kind = "stopped with EOS before" if args.trace_response == "stopped" else "was cut at"
+        print(f"iteration {iteration + 1}: no response of rank 0 in the update {kind} the length limit "
+              f"(--trace-response {args.trace_response}): the trace shows the first")
     row = int((wanted if wanted.any() else pool).int().argmax())
     last = int(mask[row].nonzero().max()) if mask[row].any() else None  # where the score lands
     lines = []
@@ -976,8 +1053,8 @@ def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs,
     for line in lines:
         print(" ".join(("-" if v is None else f"{v:.4f}" if isinstance(v, float) else repr(v)[:14] if isinstance(
             v, str) else str(v)).rjust(14 if isinstance(v, str) else 11) for v in map(line.get, names)))
-    with open(os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl"), "a") as f:
-        f.writelines(json.dumps(line) + "\n" for line in lines)
+    with plumbing.open_log(os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl")) as f:
+        plumbing.append_line(f, "\n".join(map(json.dumps, lines)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

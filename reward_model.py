@@ -146,7 +146,7 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
     Prompt and response are tokenized separately and their ids concatenated, as sft.py and ppo.py do, so that the
     reward model sees exactly the token sequences that the policy produces.
     """
-    examples, too_long = [], 0
+    examples, too_long, same = [], 0, 0
     for i, row in enumerate(data):
         chosen = plumbing.text_of(row, i, args.chosen_column, split)
         rejected = plumbing.text_of(row, i, args.rejected_column, split)
@@ -162,15 +162,26 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
             ids = plumbing.prompt_ids(tokenizer, row, i, args.prompt_column, split)
             plumbing.refuse_repeated_prompt(row[args.prompt_column],
                                             {args.chosen_column: chosen, args.rejected_column: rejected}, i, split)
-        # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
-        sides = [ids + tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-                 + [tokenizer.eos_token_id] for response in (chosen, rejected)]
+        sides = [ids + plumbing.response_ids(tokenizer, response, f"row {i} of split {split!r}, column {column!r}")
+                 for response, column in [(chosen, args.chosen_column), (rejected, args.rejected_column)]]
         if max(len(s) for s in sides) > args.max_seq_len:
             too_long += 1
             continue
+        if sides[0] == sides[1]:  # no preference: the loss's gradient is 0, and the pair is never ranked right
+            same += 1
+            continue
         examples.append({"prompt": ids, "chosen": sides[0], "rejected": sides[1]})
-    if too_long and os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
-        print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len {args.max_seq_len}")
+    if os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
+        if too_long:
+            print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len "
+                  f"{args.max_seq_len}")
+        if same:
+            print(f"dropped {same} of {len(data)} pairs of split {split!r} whose chosen and rejected responses are the "
+                  "same tokens (no preference to learn)")
+    if not examples and same:
+        plumbing.fail(f"every pair of split {split!r} that fits --max-seq-len has the same chosen and rejected "
+                      f"response: there is no preference to learn; check --chosen-column {args.chosen_column!r} and "
+                      f"--rejected-column {args.rejected_column!r}")
     if not examples:
         plumbing.fail(f"no pair of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")
     return examples
@@ -260,14 +271,13 @@ def check_args(args: Args) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     check_args(args)
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = plumbing.init_distributed(args, zero3=args.zero_stage == 3)
     is_main = dist.get_rank() == 0
     # As in sft.py, the output folder is claimed before anything loads; the policy's folder is an input too.
     plumbing.on_rank_0(lambda: plumbing.claim_output_dir(args.output_dir, {
         "--model-name-or-path": args.model_name_or_path, "--tokenizer-name-or-path": args.tokenizer_name_or_path,
         "--policy-model-name-or-path": args.policy_model_name_or_path, "--dataset": args.dataset}, args.overwrite))
-    plumbing.on_rank_0(lambda: plumbing.make_run_dir(run_name))
+    run_name = plumbing.on_rank_0(lambda: plumbing.new_run_name(args.exp_name, args.seed))  # runs/RUN_NAME
 
     # The seed decides the order of the pairs, the head's initialisation and the normalization's samples.
     random.seed(args.seed)

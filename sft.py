@@ -131,9 +131,8 @@ def tokenize_demonstrations(data, tokenizer, args: Args, split: str) -> list[dic
         else:
             ids = plumbing.prompt_ids(tokenizer, row, i, args.prompt_column, split)
             plumbing.refuse_repeated_prompt(row[args.prompt_column], {args.response_column: response}, i, split)
-        # split_special_tokens: text that spells a special token ("<|endoftext|>") stays text, never a real EOS.
-        response_ids = tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        response_ids = response_ids + [tokenizer.eos_token_id]
+        response_ids = plumbing.response_ids(tokenizer, response, f"row {i} of split {split!r}, column "
+                                                                  f"{args.response_column!r}")
         if len(ids) + len(response_ids) > args.max_seq_len:
             too_long += 1
             continue
@@ -198,7 +197,6 @@ def evaluate(engine, loader, device) -> float:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = plumbing.init_distributed(args, zero3=args.zero_stage == 3)
     is_main = dist.get_rank() == 0
     # The output folder is checked, locked and claimed before anything loads: a run never trains for an hour to find
@@ -206,7 +204,7 @@ if __name__ == "__main__":
     plumbing.on_rank_0(lambda: plumbing.claim_output_dir(args.output_dir, {
         "--model-name-or-path": args.model_name_or_path, "--tokenizer-name-or-path": args.tokenizer_name_or_path,
         "--dataset": args.dataset}, args.overwrite))
-    plumbing.on_rank_0(lambda: plumbing.make_run_dir(run_name))
+    run_name = plumbing.on_rank_0(lambda: plumbing.new_run_name(args.exp_name, args.seed))  # runs/RUN_NAME
 
     random.seed(args.seed)
     np.random.seed(args.seed)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import datasets
 import pytest
+import tokenizers
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -69,6 +71,15 @@ def bad(tmp_path_factory):
     (root / "data.csv").write_text("prompt,chosen,rejected\nA fine film, and,good.,bad.\n")
     (root / "broken.jsonl").write_text('{"prompt": "A fine film, and", "chosen": " good."}\n{"prompt": "A film", "chosen"\n')
     (root / "empty.jsonl").write_text("")
+    (root / "two_formats").mkdir()
+    (root / "one_format").mkdir()
+    for split in ("train", "test"):
+        write_jsonl(root / "two_formats" / f"{split}.jsonl", [row] * 2)
+        datasets.Dataset.from_list([row] * 2).to_parquet(root / "two_formats" / f"{split}.parquet")
+        write_jsonl(root / "one_format" / f"{split}.{'json' if split == 'train' else 'jsonl'}", [row])
+    (root / "twice").mkdir()  # train.json and train.jsonl: `datasets` reads both, each row twice
+    for name in ("train.json", "train.jsonl", "test.jsonl"):
+        write_jsonl(root / "twice" / name, [row])
     (root / "a_file").write_text("not a folder")
     (root / "latin1.jsonl").write_bytes('{"prompt": "Un café, and", "chosen": " good."}\n'.encode("latin-1"))
     shutil.copytree(BASE_MODEL, root / "added_tokens")  # chat tokens added to the tokenizer, the embeddings not resized
@@ -242,12 +253,39 @@ def test_bad_data_files_stop_with_one_line(bad, tmp_path):
         (lambda: plumbing.load_split(str(bad / "data.csv"), "train", ["text"], "--unsup-dataset",
                                      extensions=(".txt", ".json", ".jsonl", ".parquet")),
          "is not a .txt, .json, .jsonl or .parquet file"),
+        # Each split as .jsonl and as .parquet: `datasets` would read the parquet files and leave the others out.
+        (lambda: plumbing.load_split(str(bad / "two_formats"), "train", ["prompt"]),
+         f"--dataset '{bad / 'two_formats'}' holds data files of 2 formats (test.jsonl, test.parquet): only one "
+         "format would be read, the other files left out; keep the files of one format in the folder"),
+        # A prompt data set given as plain text: the hint names the text flag, not the hh-rlhf layout.
+        (lambda: plumbing.load_text_blocks(AutoTokenizer.from_pretrained(BASE_MODEL), "toy_task/data", None, "text",
+                                           8, 1),
+         "has no column ['text']; its columns are ['prompt', 'chosen', 'rejected', 'kind']; --unsup-dataset is plain "
+         "text to learn from: a .txt file, or a data set whose column of text --unsup-text-column names"),
     ])
+    assert len(plumbing.load_split(str(bad / "one_format"), "test", ["prompt"])) == 1  # .json and .jsonl: one loader
+    check_stops([(lambda: plumbing.load_split(str(bad / "twice"), "train", ["prompt"]),
+                  f"--dataset '{bad / 'twice'}' holds train.json and train.jsonl: the same data twice, and both would "
+                  "be read; keep one of them")])
+
+
+def dropping_tokenizer():
+    """The toy tokenizer with a normalizer that drops every character outside ASCII: a text of such characters is no
+    token at all."""
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
+    tokenizer.backend_tokenizer.normalizer = tokenizers.normalizers.Replace(tokenizers.Regex("[^\\x00-\\x7f]"), "")
+    return tokenizer
 
 
 def test_data_cells_that_are_not_text_are_named_by_row_and_column():
     assert plumbing.text_of({"prompt": "fine"}, 0, "prompt", "train") == "fine"
+    dropping = dropping_tokenizer()
+    assert plumbing.prompt_ids(dropping, {"prompt": "Ω fine"}, 0, "prompt", "train") == dropping(" fine").input_ids
+    assert plumbing.response_ids(dropping, "Ω fine", "row 0") == dropping(" fine").input_ids + [dropping.eos_token_id]
     check_stops([
+        (lambda: plumbing.prompt_ids(dropping, {"prompt": "ΩΩé"}, 5, "prompt", "train"),
+         "row 5 of split 'train', column 'prompt': the prompt 'ΩΩé' is no token at all in this tokenizer (its "
+         "normalizer drops the text); fix or remove the row, or use a tokenizer that reads it"),
         (lambda: plumbing.text_of({"prompt": None}, 3, "prompt", "train"),
          "row 3 of split 'train', column 'prompt': empty (null); fix or remove the row"),
         (lambda: plumbing.text_of({"prompt": [{"role": "user", "content": "hi"}]}, 4, "prompt", "train"),
@@ -488,6 +526,111 @@ def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
     check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, True),
                   f"is in use by another run (pid {gone.pid} on node-7)")])
     assert (out / ".lock").read_text() == f"node-7 {gone.pid}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run reads back from an output folder is untrusted: a name in it is used only if it is one a run writes there
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_records_file_list_removes_only_files_that_a_save_writes(tmp_path, monkeypatch, capsys):
+    """save_model_folder removes what the folder's record lists and this save does not write, but only names of the
+    files a save writes, regular files in the folder: never a path out of it, the folder itself, a file of another
+    kind, or a link (a folder received from someone else holds any record)."""
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
+    out = tmp_path / "received"
+    plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
+    assert all(plumbing.SAVED_FILE.fullmatch(name) for name in plumbing.read_record(str(out))["files"])
+    outside, linked = tmp_path / "README.md", tmp_path / "weights_elsewhere.safetensors"
+    for path in [outside, linked, out / "notes.txt"]:
+        path.write_text("the user's")
+    os.symlink(linked, out / "model-00002-of-00002.safetensors")
+    (out / "model-00003-of-00003.safetensors").write_text("an earlier save's shard")
+    listed = ["../README.md", str(outside), "..", ".", "notes.txt", "model-00002-of-00002.safetensors", 7,
+              "model-00003-of-00003.safetensors"]
+    record = plumbing.read_record(str(out))
+    plumbing.write_json(str(out / plumbing.RECORD), {**record, "files": record["files"] + listed})
+    plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
+    assert all(path.read_text() == "the user's" for path in [outside, linked, out / "notes.txt"])
+    assert os.path.islink(out / "model-00002-of-00002.safetensors")
+    assert not (out / "model-00003-of-00003.safetensors").exists()  # an earlier save's, as its record says
+    assert f"{out / plumbing.RECORD} lists 7 names that are no files of a save there ('../README.md', " \
+           f"'{outside}', '..'): left alone" in capsys.readouterr().out
+    plumbing.write_json(str(out / plumbing.RECORD), {**record, "files": "model.safetensors"})  # not even a list
+    plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(out).lm_head.weight, model.lm_head.weight)
+
+
+def test_a_run_never_writes_through_a_link_in_its_output_folder(tmp_path, monkeypatch):
+    """A link where a run writes (the staging folder .saving, a folder the run writes and what is in it, a record's
+    temporary file) stops the run with one line before it writes, and what the link points to stays as it was; a
+    folder the run writes is checked against its inputs, as the output folder is. A record that is a link is none."""
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(BASE_MODEL), AutoTokenizer.from_pretrained(BASE_MODEL)
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("the user's")
+    os.symlink(elsewhere, out / ".saving")
+    link_line = f"'{out / '.saving'}' is a link (to '{elsewhere}') inside --output-dir: the run writes there and " \
+                "never through a link; remove the link, or name another --output-dir"
+    check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, False), link_line),
+                 (lambda: plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py"}), link_line)])
+    os.remove(out / ".saving")
+    (out / "snapshots").mkdir()
+    os.symlink(elsewhere, out / "snapshots" / "iteration_1")
+    os.symlink(os.path.abspath(BASE_MODEL), out / "model")
+    check_stops([
+        (lambda: plumbing.claim_output_dir(str(out), {}, False, ["snapshots"]),
+         f"'{out / 'snapshots' / 'iteration_1'}' is a link (to '{elsewhere}') inside --output-dir"),
+        (lambda: plumbing.claim_output_dir(str(out), {"--model-name-or-path": BASE_MODEL}, False, ["model"]),
+         f"--output-dir '{out / 'model'}' is or holds --model-name-or-path '{BASE_MODEL}', which this run reads"),
+    ])
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    os.symlink(victim, out / (plumbing.RECORD + ".tmp"))
+    check_stops([(lambda: plumbing.write_json(str(out / plumbing.RECORD), {"script": "sft.py"}),
+                  f"cannot write '{out / plumbing.RECORD}' (Too many levels of symbolic links); it is a link, and a "
+                  "run never writes through one: remove the link and run again")])
+    assert os.listdir(elsewhere) == ["keep.txt"] and victim.read_text() == "the user's"
+    assert os.listdir(BASE_MODEL) == os.listdir(out / "model") and plumbing.read_record(str(out))["finished"]
+    os.remove(out / plumbing.RECORD)
+    os.symlink(out / "model" / "config.json", out / plumbing.RECORD)  # a dict, but a link
+    assert plumbing.read_record(str(out)) is None
+
+
+def test_checkpoints_and_snapshots_of_the_users_are_never_removed(tmp_path):
+    """commit_checkpoint removes only older iteration_N checkpoints and iteration_N.tmp folders cut short, and
+    remove_earlier_runs only iteration_N folders of another run: never a copy of the user's (iteration_4_good) nor a
+    link, which is no checkpoint either."""
+    resume, elsewhere = tmp_path / "resume", tmp_path / "elsewhere"
+    plumbing.commit_checkpoint(write_checkpoint(resume, 1))
+    shutil.copytree(resume / "iteration_1", resume / "iteration_1_good")
+    elsewhere.mkdir()
+    (elsewhere / "state.json").write_text("{}")
+    os.symlink(elsewhere, resume / "iteration_9")
+    for iteration in (2, 3, 4):
+        plumbing.commit_checkpoint(write_checkpoint(resume, iteration))
+    assert sorted(os.listdir(resume)) == ["iteration_1_good", "iteration_3", "iteration_4", "iteration_9", "latest"]
+    assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_4"), str(resume / "iteration_3")]
+    plumbing.remove_earlier_runs(str(resume), "this_run__1__1", lambda path: {"run_name": "another__1__1"})
+    assert sorted(os.listdir(resume)) == ["iteration_1_good", "iteration_9", "latest"]
+    assert os.listdir(elsewhere) == ["state.json"]
+
+
+def test_run_names_are_unique_even_in_the_same_second(tmp_path, monkeypatch, capsys):
+    """Two runs started in the same second under one name and seed get runs/ folders of their own, the second said;
+    an --exp-name that is a path is refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    monkeypatch.setattr(plumbing.time, "time", lambda: 1700000000.5)
+    assert plumbing.new_run_name("sft", 1) == "sft__1__1700000000"
+    assert plumbing.new_run_name("sft", 1) == "sft__1__1700000000_2"
+    assert "runs/sft__1__1700000000 is another run's (started in the same second): this run logs to " \
+           "runs/sft__1__1700000000_2" in capsys.readouterr().out
+    assert sorted(os.listdir("runs")) == ["sft__1__1700000000", "sft__1__1700000000_2"]
+    assert all(plumbing.RUN_NAME.fullmatch(name) for name in os.listdir("runs"))
+    check_stops([(lambda: plumbing.new_run_name("../elsewhere", 1),
+                  "--exp-name '../elsewhere' must be a plain name (no '/'): it names the run's folder in runs/")])
 
 
 def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(monkeypatch):

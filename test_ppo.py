@@ -352,6 +352,88 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         shutil.rmtree(os.path.join("runs", run_name))
 
 
+def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, capsys):
+    """--resume rewrites the metrics file that the folder's record names (up to its checkpoint): only if it is the
+    run's runs/RUN_NAME/metrics.jsonl, else it logs to a new one there, said; a record whose run name is none that a
+    run writes stops it. Runs started in the same second log apart. The trace file is checked writable before the
+    first iteration and at every trace, and a trace that finds no response of the kind asked for says so."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    monkeypatch.setattr(plumbing, "start_tensorboard", lambda *_, **__: types.SimpleNamespace(log_dir="runs/x"))
+    out = tmp_path / "out"
+    args = ppo.Args(output_dir=str(out), exp_name="test_untrusted", save_every=2, world_size=1, batch_size=64)
+    for old in glob.glob("runs/test_untrusted__*"):  # left by a run of this test that failed
+        shutil.rmtree(old)
+
+    def start(**changes):
+        (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
+        return ppo.start_run(dataclasses.replace(args, **changes))
+
+    first = start()
+    ppo.start_logging(first, 0, args)[1].close()
+    (out / "resume" / "iteration_2").mkdir(parents=True)
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
+        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
+        "run_name": first["run_name"]})
+    record, notes = plumbing.read_record(str(out)), tmp_path / "notes.jsonl"
+    notes.write_text("the user's\n")
+    plumbing.write_json(str(out / plumbing.RECORD), {**record, "metrics_file": str(notes)})
+    capsys.readouterr()
+    resumed = start(resume=True)
+    assert resumed["metrics_file"] == first["metrics_file"]
+    assert f"the run's record names '{notes}' as its metrics file, which is no runs/{first['run_name']}/" \
+           f"metrics.jsonl file: left alone; the metrics go to {first['metrics_file']}" in capsys.readouterr().out
+    ppo.start_logging(resumed, 2, dataclasses.replace(args, resume=True))[1].close()
+    assert notes.read_text() == "the user's\n"
+    plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": ["../elsewhere"]})
+    check_stops([(lambda: start(resume=True), f"--resume: {out / plumbing.RECORD} is damaged (its run_name or inputs "
+                                              "are not those ppo.py writes); start a new run with --overwrite")])
+    # Two new runs in the same second: each its own runs/ folder.
+    monkeypatch.setattr(plumbing.time, "time", lambda: 1700000000.5)
+    names = [start(overwrite=True)["run_name"] for _ in range(2)]
+    assert names == ["test_untrusted__1__1700000000", "test_untrusted__1__1700000000_2"]
+    # A trace.jsonl that cannot be written (here a folder of that name) stops the run with one line, at the start
+    # and at a trace.
+    trace = os.path.join("runs", names[1], "trace.jsonl")
+    os.mkdir(trace)
+    run = {"run_name": names[1], "metrics_file": os.path.abspath(os.path.join("runs", names[1], "metrics.jsonl")),
+           "inputs": {}}
+    cannot = f"'{os.path.abspath(trace)}' (Is a directory); a folder is in its place: move it away"
+    check_stops([(lambda: ppo.start_logging(run, 0, dataclasses.replace(args, trace_every=1)), cannot)])
+    monkeypatch.setattr(ppo.dist, "get_rank", lambda: 0)
+    pad, eos = 0, 1
+    responses = torch.tensor([[5, eos, pad], [6, eos, pad]])  # both stopped with EOS: none was cut at the limit
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    trace_args = dataclasses.replace(args, trace_every=1, trace_response="cut")
+    tokenizer = types.SimpleNamespace(pad_token_id=pad, decode=lambda ids: str(ids))
+    first_logprobs = torch.full((2, 3), -1.0)
+
+    def trace_one():
+        ppo.trace_response(0, tokenizer, responses, torch.zeros(2), first_logprobs, run, trace_args, mask=mask,
+                           logprob=torch.zeros(2, 3))
+
+    check_stops([(trace_one, cannot)])
+    os.rmdir(trace)
+    capsys.readouterr()
+    trace_one()
+    assert "iteration 1: no response of rank 0 in the update was cut at the length limit (--trace-response cut): " \
+           "the trace shows the first" in capsys.readouterr().out
+    assert [json.loads(line)["row"] for line in open(trace)] == [0, 0, 0]
+    for name in {first["run_name"], *names}:
+        shutil.rmtree(os.path.join("runs", name))
+
+
+def test_a_normalization_record_of_another_shape_is_said_to_differ(monkeypatch, capsys):
+    """A reward model's config.json is input too: a reward_normalization that is not reward_model.py's (not a dict, or
+    one with settings missing) is said to differ from this run's, instead of a KeyError or an AttributeError."""
+    monkeypatch.setattr(ppo.dist, "get_rank", lambda: 0)
+    for measured in (["a list"], {"policy": "elsewhere"}):
+        config = types.SimpleNamespace(reward_normalization=measured, reward_mean=0.0, reward_std=1.0)
+        ppo.check_normalization(config, "identity", ppo.Args())
+        policy = measured.get("policy") if isinstance(measured, dict) else None
+        assert "were measured on other responses: --actor-model-name-or-path 'checkpoints/sft' (measured on " \
+               f"{policy!r}); --temperature 1.0 (measured with None)" in capsys.readouterr().out
+
+
 def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monkeypatch):
     """--resume finds the run's models moved or named another way, and refuses a model put in the place of one (the
     reference and the reward model are read from their folders again)."""
@@ -380,6 +462,11 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
     monkeypatch.chdir(tmp_path)  # the same folders named by relative paths
     assert resume(actor_model_name_or_path="moved", reward_model_name_or_path="rm")["run_name"] == run["run_name"]
     weights = (tmp_path / "rm" / "model.safetensors").read_bytes()
+    middle = len(weights) // 2  # one byte changed, 1.5 MiB from either end of the file
+    (tmp_path / "rm" / "model.safetensors").write_bytes(weights[:middle] + bytes([weights[middle] ^ 1]) +
+                                                        weights[middle + 1:])
+    check_stops([(lambda: resume(actor_model_name_or_path=str(tmp_path / "moved")),
+                  "--resume: --reward-model-name-or-path")])
     (tmp_path / "rm" / "model.safetensors").write_bytes(os.urandom(2**10) + weights[2**10:])  # another model there
     check_stops([(lambda: resume(actor_model_name_or_path=str(tmp_path / "moved")),
                   f"--resume: --reward-model-name-or-path '{tmp_path / 'rm'}' does not hold the model the run started "
@@ -443,7 +530,7 @@ def test_sample_stops_as_generate_does(stages):
                   "ppo.py samples with: upgrade transformers, or use one of its own models")])
 
 
-def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch):
+def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch, capsys):
     """The disk fills after the first checkpoint: the second stops the run with one line naming the checkpoint that
     --resume continues from, and leaves no partial folder; that checkpoint still resumes."""
     commit = plumbing.commit_checkpoint
@@ -464,6 +551,24 @@ def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monk
     error = ppo_error(stages, tmp_path / "out", "--total-episodes", "24", "--save-every", "1", "--resume",
                       "--seed", "7")  # found the checkpoint: read its settings
     assert "--resume: the run was started with other settings: --seed" in error and "(now 7)" in error
+    # A state.json is untrusted too: an iteration past the run's end, an optimizer state that is not this run's, a
+    # value of another type are each a checkpoint that cannot continue the run.
+    state_file = resume / "iteration_1" / "state.json"
+    state = json.loads(state_file.read_text())
+    actor_state = {**state["actor"], "scheduler": {**state["actor"]["scheduler"], "last_epoch": "1"}}
+    for changed, problem in [({"iteration": 9}, "its iteration 9 is not one of the run's 1 to 3"),
+                             ({"actor": actor_state}, "its state.json's 'actor' is not the optimizer and scheduler "
+                                                      "state of this run's actor")]:
+        plumbing.write_json(str(state_file), {**state, **changed})
+        (tmp_path / "out" / ".lock").unlink()
+        capsys.readouterr()
+        error = ppo_error(stages, tmp_path / "out", "--total-episodes", "24", "--save-every", "1", "--resume")
+        assert f"cannot resume from {resume / 'iteration_1'} ({problem}); trying the checkpoint before it" in \
+            capsys.readouterr().out and f"--resume: no checkpoint in {resume} reads whole" in error
+    plumbing.write_json(str(state_file), {**state, "kl_coef": "0.1"})
+    (tmp_path / "out" / ".lock").unlink()
+    error = ppo_error(stages, tmp_path / "out", "--total-episodes", "24", "--save-every", "1", "--resume")
+    assert f"--resume: the state.json of every checkpoint in {resume} is missing or damaged" in error
 
 
 def test_resume_reuses_the_checkpointed_last_valid_batch(stages, tmp_path, monkeypatch, capsys):
@@ -584,6 +689,18 @@ def wrong(stages, tmp_path_factory):
     shutil.copytree("toy_task/data", root / "scripted")
     (root / "scripted" / "scripted.py").write_text("import datasets  # a loading script\n")
     os.symlink(root / "nowhere", root / "dangling")
+    shutil.copytree(rm_path, root / "critic")  # a critic saved by ppo.py: it loads as a reward model would
+    plumbing.write_json(str(root / "critic" / plumbing.RECORD), {"script": "ppo.py", "run_name": "ppo__1__1",
+                                                                  "finished": True})
+    shutil.copytree(rm_path, root / "lone_std")  # a normalization with its standard deviation but no mean
+    config = json.loads((root / "lone_std" / "config.json").read_text())
+    (root / "lone_std" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "reward_mean"}))
+    wide = AutoModelForCausalLM.from_pretrained(sft_path)  # an actor with 8 rows more than the reward model embeds
+    wide.resize_token_embeddings(wide.config.vocab_size + 8)
+    wide.save_pretrained(root / "wide_actor")
+    AutoTokenizer.from_pretrained(sft_path).save_pretrained(root / "wide_actor")
+    (root / "linked_out").mkdir()  # an output folder whose actor/ is a link to the SFT model that the run reads
+    os.symlink(os.path.abspath(sft_path), root / "linked_out" / "actor")
     return root
 
 
@@ -644,6 +761,20 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         (["--dataset", str(wrong / "data"), "--output-dir", str(wrong / "data" / "ppo")],
          "is inside --dataset '" + str(wrong / "data") + "', which this run reads"),
         (["--output-dir", str(wrong / "dangling")], "is a link to '" + str(wrong / "nowhere") + "', which does not"),
+        # A critic is no reward model (its record says who saved it); a normalization needs its mean and its std.
+        (["--reward-model-name-or-path", str(wrong / "critic")], f"--reward-model-name-or-path '{wrong / 'critic'}' "
+         "was saved by ppo.py (a trained actor or critic, says its training_run.json), not by reward_model.py"),
+        (["--reward-model-name-or-path", str(wrong / "lone_std")],
+         "config.json has reward_std but no reward_mean: the scores would be normalized by half a rule"),
+        (["--actor-model-name-or-path", str(wrong / "wide_actor")],
+         f"--actor-model-name-or-path '{wrong / 'wide_actor'}' samples token ids from 1001 rows, but "
+         f"--reward-model-name-or-path '{stages[3]}' embeds only 993: an id past them would stop the run"),
+        (["--dataset", str(bad / "two_formats")], "holds data files of 2 formats (test.jsonl, test.parquet)"),
+        (["--unsup-dataset", "toy_task/data"], "; --unsup-dataset is plain text to learn from: a .txt file, or a "
+                                               "data set whose column of text --unsup-text-column names"),
+        (["--output-dir", str(wrong / "linked_out"), "--overwrite"],
+         f"--output-dir '{wrong / 'linked_out' / 'actor'}' is or holds --actor-model-name-or-path '{stages[1]}'"),
+        (["--exp-name", "nested/name"], "--exp-name 'nested/name' must be a plain name (no '/')"),
     ], tmp_path)
     assert sorted(os.listdir(wrong / "data")) == ["test.jsonl", "train.jsonl"]  # nothing written into the data
     with pytest.raises(SystemExit):
@@ -664,7 +795,12 @@ def test_evaluate(stages, wrong, tmp_path):
     flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
              "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12",
              "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
+    shutil.copytree(out / "snapshots" / "iteration_2", out / "snapshots" / "iteration_3")  # another run's snapshot
+    plumbing.write_json(str(out / "snapshots" / "iteration_3" / plumbing.RECORD), {
+        **plumbing.read_record(str(out / "snapshots" / "iteration_3")), "run_name": "another__1__1"})
     result = run("evaluate.py", *flags, here=True)
+    assert f"left out 1 snapshots in {out / 'snapshots'} that another run saved than --ppo-model's " \
+           f"({plumbing.read_record(str(out / 'actor'))['run_name']}): iteration_3" in result.stdout
     assert "win rate of PPO over SFT, by the gold rule" in result.stdout
     assert f"ppo_training.png (from {metrics_file})" in result.stdout  # found through the actor's training_run.json
     summary = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
@@ -687,7 +823,8 @@ def test_evaluate(stages, wrong, tmp_path):
     for folder, message in [("no_pad_reward", "needs an EOS and a pad token; set them and save it, or check "
                                               "--reward-model"),
                             ("two_labels", "(it has 2 labels); check --reward-model"),
-                            ("zero_std", "reward_std 0.0, must be numbers with reward_std > 0")]:
+                            ("zero_std", "reward_std 0.0, must be numbers with reward_std > 0"),
+                            ("critic", "was saved by ppo.py (a trained actor or critic, says its training_run.json)")]:
         flags[flags.index("--reward-model") + 1] = str(wrong / folder)
         assert message in run_in_process("evaluate.py", flags)
     read_metrics(exp_name)

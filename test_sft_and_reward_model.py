@@ -32,7 +32,7 @@ import reward_model
 import rlhf_math
 import sft
 # bad is a pytest fixture, used by name
-from test_plumbing import BASE_MODEL, bad, check_stops  # noqa: F401
+from test_plumbing import BASE_MODEL, bad, check_stops, dropping_tokenizer, write_jsonl  # noqa: F401
 
 # A few optimizer steps: datasets' split slicing keeps the runs short without a flag of our own.
 FEW_STEPS = ["--train-split", "train[:64]", "--eval-split", "test[:32]", "--per-device-train-batch-size", "8"]
@@ -249,6 +249,9 @@ def test_sft_bad_input(bad, tmp_path, capsys):
         (lambda: sft.tokenize_demonstrations(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
                                              tokenizer, sft.Args(max_seq_len=4), "train[:64]"),
          "no row of split 'train[:64]' fits --max-seq-len 4"),
+        (lambda: sft.tokenize_demonstrations([{"prompt": "A film, and", "chosen": "ΩΩ"}], dropping_tokenizer(),
+                                             sft.Args(), "train"),
+         "row 0 of split 'train', column 'chosen': the response 'ΩΩ' is no token at all in this tokenizer"),
         (lambda: plumbing.check_ranges(sft.Args(learning_rate=-1.0)), "--learning-rate must be positive, not -1.0"),
         (lambda: plumbing.check_ranges(sft.Args(num_train_epochs=0)), "--num-train-epochs must be at least 1, not 0"),
         (lambda: plumbing.check_ranges(sft.Args(learning_rate=float("inf"))),
@@ -286,10 +289,25 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
         (one_prompt / f"{split}.jsonl").write_text(16 * (json.dumps(
             {"prompt": "I watched this film and", "chosen": " it was great.", "rejected": " it was bad."}) + "\n"))
     columns = ["prompt", "chosen", "rejected"]
+    alike = tmp_path / "alike"  # every pair's chosen and rejected the same text: no preference to learn
+    alike.mkdir()
+    for split in ("train", "test"):
+        write_jsonl(alike / f"{split}.jsonl", [{"prompt": "A film, and", "chosen": " fine.", "rejected": " fine."}] * 8)
+    rows = [{"prompt": "A film, and", "chosen": " fine.", "rejected": " fine."},
+            {"prompt": "A film, and", "chosen": " fine.", "rejected": " bad."}]
+    assert len(reward_model.tokenize_pairs(rows, tokenizer, reward_model.Args(), "train")) == 1
+    assert "dropped 1 of 2 pairs of split 'train' whose chosen and rejected responses are the same tokens (no " \
+           "preference to learn)" in capsys.readouterr().out
     check_stops([
         (lambda: reward_model.tokenize_pairs(plumbing.load_split(str(bad / "empty_rejected.jsonl"), "train", columns),
                                              tokenizer, reward_model.Args(), "train"),
          "row 1 of split 'train', column 'rejected': empty text; fix or remove the row"),
+        (lambda: reward_model.tokenize_pairs([{**rows[1], "rejected": "ΩΩ"}], dropping_tokenizer(),
+                                             reward_model.Args(), "train"),
+         "row 0 of split 'train', column 'rejected': the response 'ΩΩ' is no token at all in this tokenizer"),
+        (lambda: reward_model.tokenize_pairs(rows[:1], tokenizer, reward_model.Args(), "train"),
+         "every pair of split 'train' that fits --max-seq-len has the same chosen and rejected response: there is no "
+         "preference to learn; check --chosen-column 'chosen' and --rejected-column 'rejected'"),
         (lambda: reward_model.check_args(reward_model.Args(gradient_accumulation_steps=0)),
          "--gradient-accumulation-steps must be at least 1, not 0"),
         (lambda: reward_model.check_args(reward_model.Args(normalization_samples=1)),
@@ -304,6 +322,7 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
         (["--learning-rate", "0"], "--learning-rate must be positive, not 0.0"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
         (["--model-name-or-path", str(bad / "added_tokens")], "embeds only 993: tokens were added to it without"),
+        (["--dataset", str(alike)], "has the same chosen and rejected response: there is no preference to learn"),
         # One prompt, answered alike every time: every score the same, no scale to normalize by.
         (["--dataset", str(one_prompt), "--temperature", "1e-6", "--normalization-samples", "4"],
          "standard deviation 0.0: the reward model must score them finite and not all alike"),
