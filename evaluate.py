@@ -85,11 +85,19 @@ class Args:
     """allow models and tokenizers whose code comes with their hub repository"""
 
 
+OUTPUTS = ["evaluation.json", "ppo_training.png", "overoptimization.png"]  # what an evaluation writes in --output-dir
+
 def check_evaluation_dir(args: Args) -> None:
-    """OUTPUT_DIR must not be, hold or sit inside an input (plumbing.check_output_dir), and must be writable: checked
-    before any model loads, so that an evaluation never runs to the end to find that it cannot be saved."""
-    plumbing.check_output_dir(args.output_dir, {f"--{name.replace('_', '-')}": getattr(args, name)
-                                                for name in ("sft_model", "ppo_model", "reward_model", "dataset")})
+    """OUTPUT_DIR must not be, hold or sit inside an input (plumbing.check_output_dir), and must be writable, and its
+    files (OUTPUTS) are neither links nor folders: checked before any model loads, so that an evaluation never runs to
+    the end to find that it cannot be saved."""
+    plumbing.check_output_dir(args.output_dir, {f"--{name.replace('_', '-')}": getattr(args, name) for name in (
+        "sft_model", "ppo_model", "reward_model", "dataset", "snapshots_dir")})
+    for path in [os.path.join(args.output_dir, name) for name in OUTPUTS]:
+        if os.path.islink(path) or os.path.isdir(path):
+            kind = "link" if os.path.islink(path) else "folder"
+            plumbing.fail(f"{path!r}, where the evaluation writes, is a {kind}; move it away, or name another "
+                          "--output-dir")
     probe = os.path.join(args.output_dir, f".probe_{os.getpid()}")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -114,11 +122,11 @@ def training_metrics_file(args: Args) -> str | None:
         print(f"no training picture: {args.ppo_model!r} has no {plumbing.RECORD} that names the run that trained it "
               "(set --metrics-file)")
         return None
-    metrics_file = record.get("metrics_file")
-    if not isinstance(metrics_file, str) or not os.path.isfile(metrics_file):
-        record_file = os.path.join(args.ppo_model, plumbing.RECORD)
-        print(f"no training picture: the metrics file {metrics_file!r} named in {record_file} does not exist (set "
-              "--metrics-file)")
+    metrics_file = plumbing.run_metrics_file(record)  # None unless runs/RUN_NAME/metrics.jsonl of the record's run
+    if metrics_file is None or not os.path.isfile(metrics_file):
+        why = "is no runs/RUN_NAME/metrics.jsonl of its run" if metrics_file is None else "does not exist"
+        print(f"no training picture: the metrics file {record.get('metrics_file')!r} named in "
+              f"{os.path.join(args.ppo_model, plumbing.RECORD)} {why} (set --metrics-file)")
         return None
     return metrics_file
 
@@ -327,12 +335,12 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
+    if args.snapshots_dir is None:
+        args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
     check_evaluation_dir(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         plumbing.keep_freed_memory()  # as every rank of the three stages has it (detail 44)
-    if args.snapshots_dir is None:
-        args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
     snapshots = snapshots_of_run(args)
     models = [(args.sft_model, "check --sft-model"), (args.ppo_model, "check --ppo-model"),
               (args.reward_model, "check --reward-model")] + [(path, "check --snapshots-dir") for path in snapshots]

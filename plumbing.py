@@ -137,13 +137,15 @@ def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, *
 
 def folder_identity(path: str | None) -> str | None:
     """What identifies a model folder when it is moved or named another way, and tells it from a model put in its
-    place, even one changed in a single weight: a SHA-256 of its config.json and of each safetensors file, name and
-    whole content (read once, about 1 GB/s: a second for a 1B-parameter model in bf16). A hub name (or None) stands
-    for itself."""
+    place, even one changed in a single weight or token: a SHA-256 of the files that make the model and its tokenizer
+    (config.json, the safetensors weights, the tokenizer's files: SAVED_FILE's names but for the record and the
+    generation config), name and whole content (read once, about 1 GB/s: a second for a 1B-parameter model in bf16).
+    A hub name (or None) stands for itself."""
     if path is None or not os.path.isdir(path):
         return path
     digest = hashlib.sha256()
-    for name in sorted(name for name in os.listdir(path) if name == "config.json" or name.endswith(".safetensors")):
+    for name in sorted(name for name in os.listdir(path) if SAVED_FILE.fullmatch(name)
+                       and name not in (RECORD, "generation_config.json")):
         with open(os.path.join(path, name), "rb") as f:
             digest.update(f"{name} {os.fstat(f.fileno()).st_size}".encode())
             while block := f.read(2**24):
@@ -350,10 +352,11 @@ def whole_state_dict(model, zero3: bool, is_main: bool, merge_lora: bool = False
 DATA_FORMATS = {".json": "JSON", ".jsonl": "JSON", ".parquet": "Parquet", ".csv": "CSV", ".txt": "text",
                 ".arrow": "Arrow"}  # the data files `datasets` reads from a folder, by their loader
 
-def check_data_folder(folder: str, flag: str) -> None:
+def check_data_folder(folder: str, flag: str, split: str) -> None:
     """A local data folder must hold its data files in one format, each once: `datasets` reads the files of one
     format and leaves the others out unsaid (train.jsonl beside train.parquet), and reads both of train.json and
-    train.jsonl (one loader)."""
+    train.jsonl (one loader). A SPLIT that `datasets` reads from several files (shards, or a copy in a subfolder:
+    old/train.jsonl) is said, file by file."""
     files = []
     for root, folders, names in os.walk(folder):
         folders[:] = sorted(name for name in folders if not name.startswith((".", "_")))  # as `datasets` skips them
@@ -370,6 +373,12 @@ def check_data_folder(folder: str, flag: str) -> None:
     if twice:
         fail(f"{flag} {folder!r} holds {' and '.join(twice[:2])}: the same data twice, and both would be read; keep "
              "one of them")
+    with contextlib.suppress(FileNotFoundError):  # no data file at all: load_dataset says so
+        split_files = datasets.data_files.DataFilesDict.from_patterns(
+            datasets.data_files.get_data_patterns(folder), base_path=folder).get(split.split("[")[0], [])
+        if len(split_files) > 1 and os.environ.get("RANK", "0") == "0":  # the global rank: once per run
+            print(f"split {split!r} of {flag} {folder!r} is read from {len(split_files)} files: "
+                  f"{', '.join(os.path.relpath(file, folder) for file in split_files)}")
 
 def load_split(dataset: str, split: str, columns: list[str], flag: str = "--dataset", config: str | None = None,
                extensions: tuple = (".json", ".jsonl", ".parquet"), hint: str | None = None) -> datasets.Dataset:
@@ -380,7 +389,7 @@ def load_split(dataset: str, split: str, columns: list[str], flag: str = "--data
     if not os.path.exists(dataset) and not is_hub_name(dataset):
         fail(f"no data set at {dataset!r}; check {flag}")
     if os.path.isdir(dataset):
-        check_data_folder(dataset, flag)
+        check_data_folder(dataset, flag, split)
     if os.path.isfile(dataset) and not dataset.endswith(extensions):
         fail(f"{flag} {dataset!r} is not a {kinds} file")
     if os.path.isfile(dataset) and os.path.getsize(dataset) == 0:
@@ -1207,6 +1216,17 @@ def remove_earlier_runs(folder: str, run_name: str, record_of) -> None:
         path = own_path(folder, name, ITERATION_FOLDER, is_dir=True)
         if path and (record_of(path) or {}).get("run_name") not in (None, run_name):
             shutil.rmtree(path)
+
+def run_metrics_file(record: dict) -> str | None:
+    """The metrics file that a folder's record names, if it is runs/RUN_NAME/metrics.jsonl (absolute) of the run the
+    record names, and a regular file or none yet; else None: a path read back from an output folder is untrusted (a
+    resumed run rewrites that file)."""
+    named, run_name = record.get("metrics_file"), record.get("run_name")
+    if not (isinstance(named, str) and isinstance(run_name, str) and RUN_NAME.fullmatch(run_name)
+            and os.path.isabs(named) and named.split(os.sep)[-3:] == ["runs", run_name, "metrics.jsonl"]):
+        return None
+    regular = own_path(os.path.dirname(named), "metrics.jsonl", re.compile(r"metrics\.jsonl"))
+    return named if regular or not os.path.lexists(named) else None
 
 def continue_metrics_file(path: str, iteration: int) -> None:
     """On --resume, the metrics.jsonl keeps the lines up to the checkpoint's ITERATION: not later or cut-short ones."""

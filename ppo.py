@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
@@ -822,18 +821,13 @@ def start_run(args: Args) -> dict:
 
 def metrics_file_of(record: dict, run_name: str) -> str:
     """The metrics.jsonl a resumed run continues (and rewrites, up to its checkpoint): the one the folder's record
-    names if that is runs/RUN_NAME/metrics.jsonl of this run and a regular file or none, else, said, a new one in
-    runs/RUN_NAME here (a name read back from the output folder is untrusted)."""
-    named = record.get("metrics_file")
-    if isinstance(named, str) and os.path.isabs(named) and \
-            named.split(os.sep)[-3:] == ["runs", run_name, "metrics.jsonl"] and \
-            (not os.path.lexists(named) or plumbing.own_path(os.path.dirname(named), "metrics.jsonl",
-                                                             re.compile(r"metrics\.jsonl"))):
-        return named
+    names if that is the run's (plumbing.run_metrics_file), else, said, a new one in runs/RUN_NAME here."""
     here = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
-    print(f"the run's record names {named!r} as its metrics file, which is no runs/{run_name}/metrics.jsonl file: "
-          f"left alone; the metrics go to {here}")
-    return here
+    named = plumbing.run_metrics_file(record)
+    if named is None:
+        print(f"the run's record names {record.get('metrics_file')!r} as its metrics file, which is no "
+              f"runs/{run_name}/metrics.jsonl file: left alone; the metrics go to {here}")
+    return named or here
 
 def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_valid_rollout, run_name: str,
                     args: Args) -> None:

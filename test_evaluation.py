@@ -127,6 +127,14 @@ def test_output_dir_that_is_or_holds_an_input_is_refused(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     assert "which does not exist; make that folder or name another" in stops_with(evaluate.check_evaluation_dir, Args(
         output_dir=str(tmp_path / "link")))
+    # The files it writes: never through a link, nor over a folder; the snapshots are an input too.
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "ppo_training.png").symlink_to(tmp_path / "data.jsonl")
+    assert f"'{tmp_path / 'eval' / 'ppo_training.png'}', where the evaluation writes, is a link; move it away, or " \
+           "name another --output-dir" in stops_with(evaluate.check_evaluation_dir,
+                                                     Args(output_dir=str(tmp_path / "eval")))
+    assert "is or holds --snapshots-dir" in stops_with(evaluate.check_evaluation_dir, Args(
+        output_dir=str(tmp_path), snapshots_dir=str(model)))
     # A folder whose name merely starts like an input's is not the input: the comparison is by whole folders.
     evaluate.check_evaluation_dir(Args(output_dir=str(tmp_path / "mod"), sft_model=str(model)))
     assert os.listdir(tmp_path / "mod") == []  # created, and the probe file removed
@@ -196,7 +204,7 @@ def test_metrics_rows_skip_partial_lines_and_keep_the_last_of_a_repeated_iterati
 
 
 def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys):
-    actor, metrics = tmp_path / "actor", tmp_path / "metrics.jsonl"
+    actor, metrics = tmp_path / "actor", tmp_path / "runs" / "ppo__1__2" / "metrics.jsonl"
     actor.mkdir()
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None
     assert "has no training_run.json" in capsys.readouterr().out
@@ -204,7 +212,15 @@ def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys)
     (actor / plumbing.RECORD).write_text(json.dumps(record))
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None  # named, but not there (yet)
     assert "does not exist" in capsys.readouterr().out
+    metrics.parent.mkdir(parents=True)
     metrics.write_text(metrics_row(1, 0.1) + "\n")
+    notes = tmp_path / "notes.jsonl"  # a record names any file it likes: only the run's own metrics file is read
+    notes.write_text(metrics_row(1, 0.1) + "\n")
+    (actor / plumbing.RECORD).write_text(json.dumps({**record, "metrics_file": str(notes)}))
+    assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None
+    assert f"the metrics file '{notes}' named in {actor / plumbing.RECORD} is no runs/RUN_NAME/metrics.jsonl of its " \
+           "run (set --metrics-file)" in capsys.readouterr().out
+    (actor / plumbing.RECORD).write_text(json.dumps(record))
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) == str(metrics)
     other = tmp_path / "other.jsonl"  # --metrics-file wins over the record, and must exist
     assert "check --metrics-file" in stops_with(evaluate.training_metrics_file, Args(ppo_model=str(actor),

@@ -226,7 +226,7 @@ def test_check_ranges_names_the_flag_and_its_rule(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # Data files and cells; prompts as token ids, from text, chat messages or whole conversations
 # ---------------------------------------------------------------------------------------------------------------
-def test_bad_data_files_stop_with_one_line(bad, tmp_path):
+def test_bad_data_files_stop_with_one_line(bad, tmp_path, capsys):
     """load_split: each wrong file, folder, column or split stops with a line that names it and the flag to check."""
     # One file is every split, and a slice of it works.
     assert len(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"])) == 64
@@ -264,6 +264,13 @@ def test_bad_data_files_stop_with_one_line(bad, tmp_path):
          "text to learn from: a .txt file, or a data set whose column of text --unsup-text-column names"),
     ])
     assert len(plumbing.load_split(str(bad / "one_format"), "test", ["prompt"])) == 1  # .json and .jsonl: one loader
+    # A split of several files (shards, or an old copy in a subfolder): all are read, and said.
+    shutil.copytree(bad / "one_format", tmp_path / "nested")
+    shutil.copytree(bad / "one_format", tmp_path / "nested" / "old")
+    capsys.readouterr()
+    assert len(plumbing.load_split(str(tmp_path / "nested"), "test[:5]", ["prompt"])) == 2
+    assert f"split 'test[:5]' of --dataset '{tmp_path / 'nested'}' is read from 2 files: old/test.jsonl, test.jsonl" \
+        in capsys.readouterr().out
     check_stops([(lambda: plumbing.load_split(str(bad / "twice"), "train", ["prompt"]),
                   f"--dataset '{bad / 'twice'}' holds train.json and train.jsonl: the same data twice, and both would "
                   "be read; keep one of them")])
@@ -596,6 +603,27 @@ def test_a_run_never_writes_through_a_link_in_its_output_folder(tmp_path, monkey
     os.remove(out / plumbing.RECORD)
     os.symlink(out / "model" / "config.json", out / plumbing.RECORD)  # a dict, but a link
     assert plumbing.read_record(str(out)) is None
+    (out / ".lock").mkdir()  # a folder in the place of the lock file
+    check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, True),
+                  f"'{out / '.lock'}' is a folder or a link, not a run's lock file; remove it")])
+
+
+def test_a_model_is_known_by_its_weights_config_and_tokenizer(tmp_path):
+    """folder_identity reads the whole of every file that makes the model and its tokenizer: a byte changed anywhere in
+    them gives another identity; the record and the generation config (which ppo.py replaces) do not count."""
+    folder = tmp_path / "model"
+    shutil.copytree(BASE_MODEL, folder)
+    identity = plumbing.folder_identity(str(folder))
+    for name in ["generation_config.json", plumbing.RECORD]:
+        (folder / name).write_text('{"changed": true}')
+    assert plumbing.folder_identity(str(folder)) == identity
+    for name in ["model.safetensors", "tokenizer.json", "config.json"]:
+        content = (folder / name).read_bytes()
+        middle = len(content) // 2
+        (folder / name).write_bytes(content[:middle] + bytes([content[middle] ^ 1]) + content[middle + 1:])
+        assert plumbing.folder_identity(str(folder)) != identity, name
+        (folder / name).write_bytes(content)
+    assert plumbing.folder_identity(str(folder)) == identity
 
 
 def test_checkpoints_and_snapshots_of_the_users_are_never_removed(tmp_path):
