@@ -23,7 +23,8 @@ import pytest
 import safetensors.torch
 import torch
 import tyro
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
 
 import benchmark
 import plumbing
@@ -634,26 +635,38 @@ def test_an_actor_folder_in_half_precision_with_its_own_generation_config(stages
     half = tmp_path / "sft_fp16"
     AutoModelForCausalLM.from_pretrained(stages[1], dtype=torch.float16).save_pretrained(half)
     AutoTokenizer.from_pretrained(stages[1]).save_pretrained(half)
-    # ppo.py samples exactly its configured distribution: the folder's generation config does not apply, so responses
-    # may stop with EOS before the 12th token (with min_new_tokens 12 and 12 new tokens at most, none could).
+    # ppo.py samples exactly its configured distribution: the folder's generation config is replaced by
+    # ppo.sampling_config's (saved with the actor), whose min_new_tokens would have suppressed EOS.
     write_surprising_generation_config(half)
     _, exp_name = run_ppo(stages, tmp_path / "out", "--total-episodes", "16", "--actor-model-name-or-path", str(half),
                           here=True)
-    metrics = read_metrics(exp_name)
-    assert sum(m["val/num_eos_tokens"] for m in metrics) > 0
+    check_metrics(read_metrics(exp_name), 2)
+    saved = GenerationConfig.from_pretrained(tmp_path / "out" / "actor").to_dict()
+    assert saved == ppo.sampling_config(AutoTokenizer.from_pretrained(half), 12, 1.0).to_dict(), saved
     assert {w.dtype for w in saved_weights(tmp_path / "out" / "actor").values()} == {torch.float32}
 
 
-def test_invalid_rows_in_the_first_micro_batch_pass_the_ratio_check(stages, tmp_path):
-    """Micro-batches of one response, some too short to train on: a first micro-batch that holds only an invalid row
-    has no token to check, and the exact first-ratio check looks at the in-mask tokens only (it once read the empty
-    mean, 0, as the ratio and stopped a valid run)."""
+def test_invalid_rows_in_the_first_micro_batch_pass_the_ratio_check(stages, tmp_path, monkeypatch):
+    """Micro-batches of one response, the first too short to train on: a first micro-batch that holds only an invalid
+    row has no token to check, and the exact first-ratio check looks at the in-mask tokens only (it once read the
+    empty mean, 0, as the ratio and stopped a valid run). Made so, whatever the model samples: the update takes the
+    rows in order (torch.randperm gives 0, 1, ...), and each rollout's first response is cut to 2 tokens while the
+    others keep all 24 (--min-response-tokens 17)."""
+    mask_from_stop = rlhf_math.response_mask_from_stop
+
+    def response_mask(responses, stop_token_id):
+        mask = torch.ones_like(mask_from_stop(responses, stop_token_id))
+        mask[0, 2:] = 0
+        return mask
+
+    monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
+    monkeypatch.setattr(torch, "randperm", lambda n, **kwargs: torch.arange(n, device=kwargs.get("device")))
     result, exp_name = run_ppo(stages, tmp_path, "--total-episodes", "32", "--num-mini-batches", "1",
                                "--per-device-train-batch-size", "1", "--num-ppo-epochs", "1",
                                "--max-new-tokens", "24", "--min-response-tokens", "17", here=True)
     metrics = read_metrics(exp_name)
     check_metrics(metrics, 4)
-    assert all(0 < m["val/num_invalid"] < 8 for m in metrics)
+    assert all(m["val/num_invalid"] == 1 for m in metrics)
 
 
 def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
@@ -782,7 +795,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
     assert "invalid choice '4' for argument '--actor-zero-stage'" in capsys.readouterr().err
 
 
-def test_evaluate(stages, wrong, tmp_path):
+def test_evaluate(stages, wrong, tmp_path, monkeypatch):
     """evaluate.py compares the SFT and PPO policies on held-out prompts, by the reward model and by the gold rule,
     and draws the training curves and, from the run's snapshots, the over-optimisation picture."""
     out = tmp_path / "ppo"
@@ -795,6 +808,9 @@ def test_evaluate(stages, wrong, tmp_path):
     flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
              "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12",
              "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
+    configs, sample = [], ppo.sample  # what every policy samples with (evaluate.py imports ppo.sample)
+    monkeypatch.setattr(ppo, "sample", lambda model, ids, mask, config, synced: configs.append(config.to_dict())
+                        or sample(model, ids, mask, config, synced))
     shutil.copytree(out / "snapshots" / "iteration_2", out / "snapshots" / "iteration_3")  # another run's snapshot
     plumbing.write_json(str(out / "snapshots" / "iteration_3" / plumbing.RECORD), {
         **plumbing.read_record(str(out / "snapshots" / "iteration_3")), "run_name": "another__1__1"})
@@ -810,7 +826,9 @@ def test_evaluate(stages, wrong, tmp_path):
     for policy in ["sft", "ppo"]:
         assert 0 <= summary[policy]["parse_rate"] <= 1 and math.isfinite(summary[policy]["mean_score"])
         assert 1 <= summary[policy]["mean_length"] <= 12  # --max-new-tokens
-    assert summary["sft"]["mean_length"] < 12  # some responses stop early: min_new_tokens 12 was not applied
+    # Every policy samples with ppo.sampling_config: the SFT folder's min_new_tokens 12, top_k 5 are not applied.
+    assert configs and all(c == ppo.sampling_config(AutoTokenizer.from_pretrained(sft), 12, 1.0).to_dict()
+                           for c in configs)
     assert [p["label"] for p in summary["overoptimization"]] == ["SFT", "it 1", "it 2"]
     for picture in ["ppo_training.png", "overoptimization.png"]:
         assert (tmp_path / "eval" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -37,9 +37,20 @@ PER_ITERATION = ["P", "scores", "ref_logprobs", "rewards", "kl", "valid", "respo
 
 def install_recorder(set_attribute, path):
     """Record what the loop computes (module docstring) into PATH.rankN when the run ends (plumbing.end_run).
-    set_attribute: monkeypatch.setattr in this process, setattr in a rank of its own."""
-    steps, rollouts = [], {}
+    set_attribute: monkeypatch.setattr in this process, setattr in a rank of its own. The pretraining mix's blocks
+    are the input_ids of the trained models' forward passes that are given labels (pretraining_loss's), each
+    optimizer step's in the order of its micro-batches."""
+    steps, rollouts, blocks = [], {}, []
     engine_step = deepspeed.runtime.engine.DeepSpeedEngine.step
+    initialize_engine = plumbing.initialize_engine
+
+    def recorded_engine(model, ds_config, optimizer=None, scheduler=None):
+        engine = initialize_engine(model, ds_config, optimizer, scheduler)
+        if optimizer is not None:
+            engine.module.register_forward_pre_hook(
+                lambda module, args, kwargs: blocks.append(kwargs["input_ids"].clone()) if "labels" in kwargs else None,
+                with_kwargs=True)
+        return engine
 
     def step(engine, *args, **kwargs):
         loop = sys._getframe(1).f_globals  # ppo.py's __main__, when the loop calls actor.step() or critic.step()
@@ -59,7 +70,9 @@ def install_recorder(set_attribute, path):
                           "rows": loop["mini_batches"][loop["mini_batch_index"]].clone(),
                           "lrs": [group["lr"] for group in engine.optimizer.param_groups],
                           "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
-                          "grads": {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}})
+                          "grads": {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None},
+                          "blocks": list(blocks)})
+            blocks.clear()
         return engine_step(engine, *args, **kwargs)
 
     end_run = plumbing.end_run
@@ -69,6 +82,7 @@ def install_recorder(set_attribute, path):
         end_run()
 
     set_attribute(deepspeed.runtime.engine.DeepSpeedEngine, "step", step)
+    set_attribute(plumbing, "initialize_engine", recorded_engine)
     set_attribute(plumbing, "end_run", save_then_end_run)
 
 
@@ -227,20 +241,14 @@ def check_rollouts(records, metrics, models, args):
             assert answered == [prompts[i] for i in order[first + rank * per_rank : first + (rank + 1) * per_rank]]
 
 
-def pretraining_block(args, tokenizer):
-    """The one block of plain text (pretraining_text_file writes only copies of it): [1, P + R]."""
-    length = args["max_prompt_len"] + args["max_new_tokens"]
-    return torch.tensor([[*tokenizer(" good" * (length - 1))["input_ids"], tokenizer.eos_token_id]])
-
-
 def check_updates(records, metrics, models, args):
     """Each optimizer step's gradient, recomputed at the weights the run had before that step, from the loss's
     definition over the step's mini-batch (every rank's rows): PPO's clipped losses averaged over every in-mask token
     (token-mean) or over the micro-batches' token means (micro-batch-mean), plus gamma times the pretraining mix's
-    language-modelling loss. And the update's metrics, summed over every micro-batch of every step."""
-    policy, _, critic, _, tokenizer = models
+    language-modelling loss, averaged over the step's micro-batches of blocks (all ranks'). And the update's metrics,
+    summed over every micro-batch of every step."""
+    policy, _, critic, _, _ = models
     T, micro = args["temperature"], args["per_device_train_batch_size"]
-    block = pretraining_block(args, tokenizer) if args["unsup_dataset"] else None
     sums = {}
     for k, step in enumerate(records[0]["steps"]):
         i, actor = step["iteration"], step["model"] == "actor"
@@ -250,7 +258,7 @@ def check_updates(records, metrics, models, args):
         num_micro_batches = sum(len(rows.split(micro)) for _, rows in parts)
         sums.setdefault(i, {"ratios": [], **{name: 0.0 for name in ["tokens", "pg_loss", "vf_loss", "entropy",
                                                                       "approxkl", "clipfrac", "ratio", "vf_clipfrac",
-                                                                      "unsup"]}})
+                                                                      "unsup", "unsup_micro_batches"]}})
         total = sums[i]
         for r, rows in parts:
             for micro_rows in rows.split(micro):
@@ -279,10 +287,14 @@ def check_updates(records, metrics, models, args):
                     total["vf_loss"] += float(loss.detach()) * n
                     total["vf_clipfrac"] += float(clipfrac) * n
                 (weight * loss).backward()
-        if actor and block is not None:  # gamma * the language-modelling loss of the (one) block, once per step
-            unsup_loss = model(input_ids=block, labels=block).loss
-            (args["unsup_coef"] * unsup_loss).backward()
-            total["unsup"] += float(unsup_loss.detach())
+        if actor and args["unsup_dataset"]:  # gamma * the mean language-modelling loss of the step's blocks
+            blocks = [block for record in records for block in record["steps"][k]["blocks"]]
+            assert len(blocks) == num_micro_batches, (k, len(blocks))  # one micro-batch of blocks per PPO micro-batch
+            for block in blocks:
+                unsup_loss = model(input_ids=block, labels=block).loss
+                (args["unsup_coef"] * unsup_loss / len(blocks)).backward()
+                total["unsup"] += float(unsup_loss.detach())
+                total["unsup_micro_batches"] += 1
         check_gradient(step["grads"], dict(model.named_parameters()), f"iteration {i}, step {k} ({step['model']})")
     for i, total in sums.items():
         ratios = torch.tensor(total["ratios"], dtype=torch.float64)
@@ -293,9 +305,8 @@ def check_updates(records, metrics, models, args):
                     "policy/clipfrac_avg": total["clipfrac"] / total["tokens"],
                     "val/ratio": total["ratio"] / total["tokens"], "val/ratio_var": ratios.var(),
                     "val/clipfrac_avg": total["vf_clipfrac"] / total["tokens"]}
-        if block is not None:
-            steps = sum(1 for step in records[0]["steps"] if step["iteration"] == i and step["model"] == "actor")
-            expected["loss/unsup_avg"] = total["unsup"] / steps
+        if args["unsup_dataset"]:
+            expected["loss/unsup_avg"] = total["unsup"] / total["unsup_micro_batches"]
         for name, value in expected.items():
             assert metrics[i][name] == pytest.approx(float(value), rel=1e-4, abs=1e-6), (i, name)
 
@@ -360,8 +371,9 @@ def critic_start(stages, tmp_path_factory):
 
 
 def pretraining_text_file(path, length):
-    """Plain text whose every block of LENGTH tokens is the same (a document of one block's length, repeated)."""
-    path.write_text((" good" * (length - 1) + "\n") * 40)
+    """Plain text of 40 documents, each a block of LENGTH tokens with its EOS, of five kinds (" good" and " bad" in
+    other proportions): the micro-batches' language-modelling losses differ, so that a factor on one of them shows."""
+    path.write_text("".join(" good" * (length - 1 - k % 5) + " bad" * (k % 5) + "\n" for k in range(40)))
     return str(path)
 
 
@@ -477,21 +489,27 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
 
 @pytest.mark.parametrize("aggregation, across_ranks, flags", [
     ("token-mean", True, ["--total-episodes", "24", "--max-new-tokens", "16", "--min-response-tokens", "12",
-                          "--actor-learning-rate", "5e-4", "--target-kl", "0.75"]),  # KL 0.78 at the second
+                          "--actor-learning-rate", "5e-4", "--kl-estimator", "k3"]),
     ("micro-batch-mean", False, ["--total-episodes", "8"])])
 def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, aggregation, across_ranks, flags):
-    """Two ranks: the losses, the whitening, the adaptive KL coefficient (three iterations) and the metrics over both
-    ranks' batches (or, for the whitening with --no-whiten-across-ranks, each rank's own); constant learning rates, no
-    gradient clipping."""
+    """Two ranks: the losses, the whitening, the adaptive KL coefficient (three iterations, k3, the target 10% under
+    the second iteration's KL, measured first as in test_one_rank_every_call_site, so that the controller's second
+    step is neither clipped nor nil, and a rank that adapted beta to its own KL alone would show) and the metrics over
+    both ranks' batches (or, for the whitening with --no-whiten-across-ranks, each rank's own); constant learning
+    rates, no gradient clipping."""
     flags = [*LAYOUT, *OFF_DEFAULTS, "--per-device-rollout-batch-size", "4", "--num-mini-batches", "2",
              "--per-device-train-batch-size", "1", "--critic-model-name-or-path", critic_start,
              "--loss-aggregation", aggregation,
              "--whiten-across-ranks" if across_ranks else "--no-whiten-across-ranks", "--gradient-clipping", "0",
              "--lr-scheduler-type", "constant", *flags]
     out = tmp_path / f"recorded_two_ranks_{aggregation}"
+    if aggregation == "token-mean":  # (two iterations are enough to measure: the learning rates are constant)
+        run("ppo.py", *stages, *flags, "--total-episodes", "16", "--output-dir", str(tmp_path / "measured"),
+            "--exp-name", "test_measured_two_ranks", "--sample-every", "0", ranks=2)
+        flags += ["--target-kl", repr(read_metrics("test_measured_two_ranks")[1]["objective/kl"] / 1.1)]
     records, metrics, args = recorded_run(stages, out, flags, monkeypatch, ranks=2)
     if aggregation == "token-mean":
-        assert 0.8 < metrics[1]["objective/kl"] / args["target_kl"] < 1.2, metrics[1]["objective/kl"]
+        assert metrics[1]["objective/kl"] / args["target_kl"] == pytest.approx(1.1), metrics[1]["objective/kl"]
     check_run(records, metrics, out, stages, critic_start, args)
 
 

@@ -152,6 +152,13 @@ def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_pat
 
     def recording_generate(model, **kwargs):
         sequences = generate(model, **kwargs)
+        # The first response made to stop at its second token, padding after its EOS as generate leaves it: a score
+        # must be read at the EOS, not at the padding (whatever the policy samples, a response stops in every batch).
+        P, config = kwargs["input_ids"].shape[1], model.generation_config
+        if sequences.shape[1] < P + 3:  # every response has stopped: room for the padding
+            sequences = torch.cat([sequences, torch.full_like(sequences[:, : P + 3 - sequences.shape[1]],
+                                                              config.pad_token_id)], dim=1)
+        sequences[0, P + 1], sequences[0, P + 2 :] = config.eos_token_id, config.pad_token_id
         sampled.append((kwargs["input_ids"], kwargs["attention_mask"], sequences, model.generation_config))
         return sequences
 
