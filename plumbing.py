@@ -889,10 +889,14 @@ def new_run_name(exp_name: str, seed: int) -> str:
     if "/" in exp_name or os.sep in exp_name or exp_name in ("", ".", ".."):
         fail(f"--exp-name {exp_name!r} must be a plain name (no '/'): it names the run's folder in runs/")
     base = f"{exp_name}__{seed}__{int(time.time())}"
+    try:
+        os.makedirs("runs", exist_ok=True)
+    except OSError as error:  # a file named runs, a folder that cannot be written
+        fail(f"cannot make runs/ for the run's logs ({error.strerror}); run from a folder you can write, where runs "
+             "is not a file")
     for number in range(1, 1000):
         run_name = base if number == 1 else f"{base}_{number}"
         try:
-            os.makedirs("runs", exist_ok=True)
             os.mkdir(os.path.join("runs", run_name))  # exclusive: two runs never get one folder
         except FileExistsError:
             continue
@@ -1149,17 +1153,20 @@ def load_training_state(engine, path: str, saved: dict, device: torch.device) ->
 
 def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
     """Why FOLDER cannot restore ENGINE (model.safetensors, and adam.safetensors of its trained parameters if trained,
-    whole and complete)."""
-    names = {name for name, _ in engine.module.named_parameters()}
-    files = {"model.safetensors": names}
+    whole and complete: a tensor of each parameter's name and whole shape, ds_shape under ZeRO-3)."""
+    shapes = {name: list(getattr(param, "ds_shape", param.shape)) for name, param in engine.module.named_parameters()}
+    files = {"model.safetensors": shapes}
     if trained:
-        files["adam.safetensors"] = {f"{name}.{moment}" for name, param in engine.module.named_parameters()
-                                     if param.requires_grad for moment in ("exp_avg", "exp_avg_sq")}
+        files["adam.safetensors"] = {f"{name}.{moment}": shapes[name] for name, param in
+                                     engine.module.named_parameters() if param.requires_grad
+                                     for moment in ("exp_avg", "exp_avg_sq")}
     for file, expected in files.items():
         try:
             with safetensors.safe_open(os.path.join(folder, file), "pt") as f:
-                if set(f.keys()) != expected:
-                    return f"{os.path.basename(folder)}/{file} does not hold this model's parameters"
+                if set(f.keys()) != set(expected) or any(f.get_slice(name).get_shape() != shape
+                                                         for name, shape in expected.items()):
+                    return f"{os.path.basename(folder)}/{file} does not hold this model's parameters (their names " \
+                           "and shapes)"
         except (OSError, safetensors.SafetensorError) as error:
             return f"{os.path.basename(folder)}/{file}: {' '.join(str(error).split())[:200]}"
     return None

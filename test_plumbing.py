@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -645,6 +646,20 @@ def test_checkpoints_and_snapshots_of_the_users_are_never_removed(tmp_path):
     assert os.listdir(elsewhere) == ["state.json"]
 
 
+def test_a_checkpoint_of_other_shapes_is_no_checkpoint_of_the_model(tmp_path):
+    """engine_state_problem reads every tensor's name and shape: a checkpoint written for another model of the same
+    parameter names (another width) would stop --resume with a traceback from inside torch's copy."""
+    engine = types.SimpleNamespace(module=torch.nn.Linear(2, 3))
+    weights = {"weight": torch.zeros(3, 2), "bias": torch.zeros(3)}
+    save_file(weights, tmp_path / "model.safetensors")
+    save_file({f"{name}.{moment}": w.clone() for name, w in weights.items() for moment in ("exp_avg", "exp_avg_sq")},
+              tmp_path / "adam.safetensors")
+    assert plumbing.engine_state_problem(str(tmp_path), engine, trained=True) is None
+    save_file({**weights, "weight": torch.zeros(2, 3)}, tmp_path / "model.safetensors")
+    assert plumbing.engine_state_problem(str(tmp_path), engine, trained=True) == \
+        f"{tmp_path.name}/model.safetensors does not hold this model's parameters (their names and shapes)"
+
+
 def test_run_names_are_unique_even_in_the_same_second(tmp_path, monkeypatch, capsys):
     """Two runs started in the same second under one name and seed get runs/ folders of their own, the second said;
     an --exp-name that is a path is refused."""
@@ -659,6 +674,9 @@ def test_run_names_are_unique_even_in_the_same_second(tmp_path, monkeypatch, cap
     assert all(plumbing.RUN_NAME.fullmatch(name) for name in os.listdir("runs"))
     check_stops([(lambda: plumbing.new_run_name("../elsewhere", 1),
                   "--exp-name '../elsewhere' must be a plain name (no '/'): it names the run's folder in runs/")])
+    shutil.rmtree("runs")
+    open("runs", "w").close()  # a file where the runs' folder goes
+    check_stops([(lambda: plumbing.new_run_name("sft", 1), "cannot make runs/ for the run's logs (File exists)")])
 
 
 def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(monkeypatch):

@@ -27,6 +27,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GenerationConfig)
 
 import benchmark
+import evaluate
 import plumbing
 import ppo
 import rlhf_math
@@ -806,11 +807,26 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
     shutil.copytree(stages[1], sft)
     write_surprising_generation_config(sft)
     flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
-             "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12",
-             "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
-    configs, sample = [], ppo.sample  # what every policy samples with (evaluate.py imports ppo.sample)
-    monkeypatch.setattr(ppo, "sample", lambda model, ids, mask, config, synced: configs.append(config.to_dict())
-                        or sample(model, ids, mask, config, synced))
+             "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12", "--temperature", "0.7",
+             "--seed", "5", "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
+    # What evaluate.py passes to ppo's helpers and gets back, recorded (it imports them from ppo): the sampling
+    # config and seed of every batch, the reward model's scores, and the log-probs behind the KL to the SFT policy.
+    calls, sample, reward_scores, response_logprobs = {"sample": [], "scores": [], "kl": []}, ppo.sample, \
+        ppo.reward_scores, ppo.response_logprobs
+
+    def recorded(name, function, value=lambda result, *args: result):
+        def call(*args, **kwargs):
+            result = function(*args, **kwargs)
+            calls[name].append(value(result, *args, **kwargs))
+            return result
+        return call
+
+    monkeypatch.setattr(ppo, "sample", recorded("sample", sample, lambda _, model, ids, mask, config, synced: (
+        config.to_dict(), torch.initial_seed())))
+    monkeypatch.setattr(ppo, "reward_scores", recorded("scores", reward_scores))
+    monkeypatch.setattr(ppo, "response_logprobs", recorded("kl", response_logprobs, lambda logprobs, model, sequences,
+                        mask, P, temperature: (torch.where(mask[:, P:].bool(), logprobs, 0.0).sum(dim=1), temperature,
+                                               model.name_or_path)))
     shutil.copytree(out / "snapshots" / "iteration_2", out / "snapshots" / "iteration_3")  # another run's snapshot
     plumbing.write_json(str(out / "snapshots" / "iteration_3" / plumbing.RECORD), {
         **plumbing.read_record(str(out / "snapshots" / "iteration_3")), "run_name": "another__1__1"})
@@ -826,9 +842,21 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
     for policy in ["sft", "ppo"]:
         assert 0 <= summary[policy]["parse_rate"] <= 1 and math.isfinite(summary[policy]["mean_score"])
         assert 1 <= summary[policy]["mean_length"] <= 12  # --max-new-tokens
-    # Every policy samples with ppo.sampling_config: the SFT folder's min_new_tokens 12, top_k 5 are not applied.
-    assert configs and all(c == ppo.sampling_config(AutoTokenizer.from_pretrained(sft), 12, 1.0).to_dict()
-                           for c in configs)
+    # Every policy samples with ppo.sampling_config at --temperature (the SFT folder's min_new_tokens 12, top_k 5 are
+    # not applied), each batch from --seed + its first prompt's index; the figures are those of the scores and
+    # log-probs the helpers returned: the first 3 batches are the SFT policy's answers, the next 3 the PPO policy's,
+    # each scored by the log-probs of both policies (named by their folders).
+    expected = ppo.sampling_config(AutoTokenizer.from_pretrained(sft), 12, 0.7).to_dict()
+    assert all(config == expected for config, _ in calls["sample"])
+    assert [seed for _, seed in calls["sample"][:6]] == [5, 21, 37] * 2
+    sft_scores, ppo_scores = (torch.cat(calls["scores"][i : i + 3]).tolist() for i in (0, 3))
+    logprobs = {folder: torch.cat([total for total, _, name in calls["kl"][:6] if name == folder])
+                for folder in (str(out / "actor"), str(sft))}
+    kl = logprobs[str(out / "actor")] - logprobs[str(sft)]
+    assert {temperature for _, temperature, _ in calls["kl"]} == {0.7}
+    assert summary["ppo"]["win_rate"] == pytest.approx(evaluate.win_rate(ppo_scores, sft_scores))
+    assert summary["ppo"]["mean_score"] == pytest.approx(sum(ppo_scores) / 40)
+    assert summary["ppo"]["mean_kl_to_sft"] == pytest.approx(kl.mean().item())
     assert [p["label"] for p in summary["overoptimization"]] == ["SFT", "it 1", "it 2"]
     for picture in ["ppo_training.png", "overoptimization.png"]:
         assert (tmp_path / "eval" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -90,6 +90,8 @@ def recorded_run(stages, out, flags, monkeypatch, ranks=None):
     """ppo.py with stages and flags, recorded: in this process, or on `ranks` ranks (this file as each rank's script).
     Returns each rank's record, the metrics lines and the run's arguments (and the trace's lines in args["trace"])."""
     argv = [*stages, *flags, "--output-dir", str(out), "--exp-name", f"test_{out.name}", "--sample-every", "0"]
+    for old in glob.glob(f"runs/test_{out.name}__*"):  # left by a run that failed: its trace would be read too
+        shutil.rmtree(old)
     if ranks:
         run(__file__, *argv, ranks=ranks)
     else:
@@ -396,11 +398,13 @@ def check_run(records, metrics, out, stages, critic_path, args):
     check_optimizer(records, out, models, args)
 
 
-# The one-rank runs. "adaptive": three iterations in token-mean, responses long enough to stop anywhere, and a target KL
-# 10% under the second iteration's, so that the controller's second step is not clipped (test_one_rank_every_call_site
-# measures that KL first: where training lands differs from one CPU to another). "reuse": micro-batch-mean
-# in 4 micro-batches, the second iteration's responses all made invalid, and --min-response-tokens at the length limit
-# (OFF_DEFAULTS), so that responses cut there are valid with exactly the minimum and those that stopped are not.
+# The one-rank runs, both in token-mean (micro-batch-mean: test_two_ranks_every_call_site). "adaptive": three
+# iterations, responses long enough to stop anywhere, and a target KL 10% under the second iteration's, so that the
+# controller's second step is not clipped (test_one_rank_every_call_site measures that KL first: where training lands
+# differs from one CPU to another). "reuse": 4 micro-batches, the second iteration's responses all made invalid (its
+# update trains on the first batch again, with that batch's token counts), and --min-response-tokens at the length
+# limit (OFF_DEFAULTS), so that responses cut there are valid with exactly the minimum and those that stopped are not.
+# In both, shape_responses makes a response invalid by one token and one cut at the limit.
 def check_trace(records, args, tokenizer):
     """--trace-every 1: each iteration's trace is one response of the batch, position by position, with the values
     the loop computed (the recorded rollout's): the score on its last in-mask position only, rewards 0 after it,
@@ -437,10 +441,35 @@ def check_trace(records, args, tokenizer):
         assert all(line["ratio"] == pytest.approx(1.0, abs=1e-5) for line in lines if line["mask"])
 
 
+def shape_responses(monkeypatch, tokenizer, minimum: int, all_invalid_at: int | None = None):
+    """While ppo.py runs (until the function returned is called), in every rollout: response 0 stops with EOS one
+    real token short of MINIMUM (--min-response-tokens: invalid, and valid if the EOS counted as a token), response 1
+    never stops (cut at the length limit: valid, without the EOS the trick's penalty replaces its score); with
+    all_invalid_at=N, no response of the N-th rollout has a real token (its update reuses the last valid batch). Made
+    so by rewriting the sampled tokens where the loop first reads them (rlhf_math.response_mask_from_stop): what the
+    model samples decides nothing, unless every response stops before MINIMUM tokens (sampling ends there)."""
+    mask_from_stop, calls, shaping = rlhf_math.response_mask_from_stop, [], [True]
+    word = tokenizer(" good").input_ids[0]
+
+    def response_mask(responses, stop_token_id):
+        if not shaping[0]:
+            return mask_from_stop(responses, stop_token_id)
+        calls.append(None)
+        if responses.shape[1] >= minimum:
+            for row, end in [(0, minimum - 1), (1, responses.shape[1])]:  # no stop or padding before END
+                head = responses[row, :end]
+                head[(head == stop_token_id) | (head == tokenizer.pad_token_id)] = word
+            responses[0, minimum - 1] = stop_token_id
+        return mask_from_stop(responses, stop_token_id) * (len(calls) != all_invalid_at)
+
+    monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
+    return lambda: shaping.__setitem__(0, False)
+
+
 ONE_RANK = {"adaptive": ["--loss-aggregation", "token-mean", "--per-device-train-batch-size", "2", "--total-episodes",
                          "24", "--max-new-tokens", "16", "--min-response-tokens", "12", "--actor-learning-rate",
                          "5e-4"],
-            "reuse": ["--loss-aggregation", "micro-batch-mean", "--per-device-train-batch-size", "1",
+            "reuse": ["--loss-aggregation", "token-mean", "--per-device-train-batch-size", "1",
                       "--total-episodes", "16"]}
 
 
@@ -450,15 +479,10 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     (ONE_RANK's two variants); in "reuse" the second iteration trains on the first iteration's batch again, with that
     batch's prompt length. The reward model's normalization was measured at another temperature and length: ppo.py
     says so."""
-    if variant == "reuse":
-        mask_from_stop, calls = rlhf_math.response_mask_from_stop, []
-
-        def response_mask(responses, stop_token_id):  # the loop's second call: no real token in any response
-            calls.append(None)
-            return mask_from_stop(responses, stop_token_id) * (len(calls) != 2)
-
-        monkeypatch.setattr(rlhf_math, "response_mask_from_stop", response_mask)
     flags = [*LAYOUT, *OFF_DEFAULTS, *ONE_RANK[variant]]
+    minimum = int(flags[len(flags) - flags[::-1].index("--min-response-tokens")])  # the last one given
+    stop_shaping = shape_responses(monkeypatch, AutoTokenizer.from_pretrained(stages[1]), minimum,
+                                   all_invalid_at=2 if variant == "reuse" else None)
     length = 32 + int(flags[len(flags) - flags[::-1].index("--max-new-tokens")])  # prompt + the last one given
     flags += ["--critic-model-name-or-path", critic_start, "--kl-estimator", "k3", "--whiten-rewards",
               "--missing-eos-penalty", "1.0", "--unsup-dataset", pretraining_text_file(tmp_path / "text.txt", length),
@@ -472,15 +496,16 @@ def test_one_rank_every_call_site(stages, critic_start, tmp_path, monkeypatch, c
     # (In "reuse" a valid response has --max-new-tokens real tokens: none stopped before the limit.)
     flags += ["--trace-every", "1", "--trace-response", "stopped" if variant == "adaptive" else "cut"]
     records, metrics, args = recorded_run(stages, tmp_path / "recorded_one_rank", flags, monkeypatch)
+    stop_shaping()
     check_trace(records, args, AutoTokenizer.from_pretrained(stages[1]))
     assert "were measured on other responses: --temperature 0.7 (measured with 1.0); --max-new-tokens " \
         f"{args['max_new_tokens']} (measured with 24)." in capsys.readouterr().out
     real_tokens = torch.cat([r["response_mask"].sum(dim=1) - r["contains_eos"].long()
                              for r in records[0]["rollouts"].values()])
-    assert (real_tokens < args["min_response_tokens"]).any(), real_tokens  # invalid responses
+    assert (real_tokens == args["min_response_tokens"] - 1).any(), real_tokens  # invalid by one, with an EOS
     if variant == "adaptive":  # the second adaptation of beta is within the controller's clip, and not nil
         assert metrics[1]["objective/kl"] / args["target_kl"] == pytest.approx(1.1), metrics[1]["objective/kl"]
-    else:  # valid responses with exactly the minimum; prompt lengths that differ between the batches
+    else:  # valid responses with exactly the minimum (cut at the limit); prompt lengths that differ between the batches
         assert (real_tokens == args["min_response_tokens"]).any(), real_tokens
         assert [step["batch"] for step in records[0]["steps"]] == [0] * 16
         assert records[0]["rollouts"][0]["P"] != records[0]["rollouts"][1]["P"]

@@ -249,6 +249,13 @@ def test_sft_bad_input(bad, tmp_path, capsys):
     test_plumbing.py)."""
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
     one_file = plumbing.load_split(str(bad / "empty_prompt.jsonl"), "train", ["prompt", "chosen"])
+    # What is learned: the response and its EOS, never the prompt (labels -100 there).
+    (example,) = sft.tokenize_demonstrations([{"prompt": "A film, and", "chosen": " it was fine."}], tokenizer,
+                                             sft.Args(), "train")
+    prompt = tokenizer("A film, and").input_ids
+    response = tokenizer(" it was fine.", add_special_tokens=False).input_ids
+    assert example == {"input_ids": prompt + response + [tokenizer.eos_token_id],
+                       "labels": [-100] * len(prompt) + response + [tokenizer.eos_token_id]}
     check_stops([
         (lambda: sft.tokenize_demonstrations(one_file, tokenizer, sft.Args(), "train"),
          "row 1 of split 'train', column 'prompt': empty text; fix or remove the row"),
