@@ -404,14 +404,16 @@ def tokens_per_mini_batch(mask: torch.Tensor, mini_batches: list[torch.Tensor]) 
     return counts
 
 def loss_weight(mask: torch.Tensor, mini_batch_tokens: torch.Tensor, args: Args):
-    """The factor on a micro-batch's token-mean loss (docs/implementation_details.md, detail 38). DeepSpeed divides
-    each micro-batch's loss by the accumulation steps and averages the ranks' gradients: a micro-batch gets the
-    weight 1 / (micro-batches in the mini-batch, all ranks). token-mean reweighs it to its share of the mini-batch's
-    tokens, so that every token weighs the same however the mini-batch is split; micro-batch-mean leaves it
-    (DeepSpeed-Chat and TRL)."""
+    """The factor on a micro-batch's loss, the mean over its n in-mask tokens (docs/implementation_details.md, detail
+    38). token-mean: n / N, N the in-mask tokens of the whole mini-batch (all its micro-batches, all ranks), so that
+    the mini-batch's loss is the sum over its tokens divided by N, every token weighing the same however the
+    mini-batch is split; times the accumulation steps and the ranks, the factor that undoes DeepSpeed's averaging
+    (it divides each micro-batch's loss by the accumulation steps and averages the ranks' gradients).
+    micro-batch-mean: 1, DeepSpeed's average of the micro-batches' means (DeepSpeed-Chat and TRL)."""
     if args.loss_aggregation != "token-mean":
         return 1.0
-    return mask.bool().sum() * args.gradient_accumulation_steps * args.world_size / mini_batch_tokens.clamp(min=1)
+    undo_deepspeed_average = args.gradient_accumulation_steps * args.world_size
+    return mask.bool().sum() * undo_deepspeed_average / mini_batch_tokens.clamp(min=1)
 
 def adapted_kl_coef(kl_coef: float, kl: torch.Tensor, valid: torch.Tensor, args: Args) -> float:
     """Ziegler et al.'s adaptive controller (rlhf_math.adaptive_kl_coef): beta grows when the mean KL per valid
@@ -1197,7 +1199,8 @@ if __name__ == "__main__":
         rollout_start = time.time()
         with torch.no_grad():
             # 1. Generate: sample a response to every prompt from the current policy pi_theta.
-            with plumbing.gathered(actor, gather_actor):  # one gather for the actor's generation and its log-probs
+            # (gathered: nothing below ZeRO-3; under it, one gather for the actor's generation and its log-probs.)
+            with plumbing.gathered(actor, gather_actor):
                 responses = sample_responses(actor, prompt_ids, prompt_mask, generation_config, gather_actor,
                                              args.enable_hybrid_engine, iteration, start_iteration)
                 generation_time = time.time() - rollout_start
@@ -1211,6 +1214,7 @@ if __name__ == "__main__":
                 # log pi_ref(a_t|s_t) at the sampling temperature, and V(s_t) from the token before a_t.
                 logprobs = in_micro_batches(response_logprobs, micro_batch, actor.module, sequences, attention_mask,
                                             P, args.temperature)
+            # (adapters_disabled: nothing without LoRA; with actor LoRA the reference is the actor, adapters off.)
             with plumbing.gathered(reference, args.gather_weights_for_rollout), \
                     plumbing.adapters_disabled(reference.module):
                 ref_logprobs = in_micro_batches(response_logprobs, micro_batch, reference.module, sequences,
@@ -1229,6 +1233,10 @@ if __name__ == "__main__":
             check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration, start_iteration)
 
             # 5. Invalid generations, too short to learn from, are left out of the update (their mask is zeroed).
+            # The loop's three masks, each made once: attention_mask [B, P + R], what the models read (the prompt's
+            # padding off); response_mask [B, R], each response up to its EOS (lengths, the EOS count); update_mask
+            # [B, R], the valid responses' response_mask: rlhf_math's one mask, the only one that the rewards, the
+            # advantages and the losses see.
             real_tokens = response_mask.sum(dim=1) - contains_eos.long()
             valid = real_tokens >= args.min_response_tokens
             update_mask = response_mask * valid.unsqueeze(1)
@@ -1246,6 +1254,7 @@ if __name__ == "__main__":
             rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
                            advantages=advantages, returns=returns, mask=update_mask)
             # The update's batch: this rollout, or if none of its responses is valid the last valid one (its own P).
+            # By default only a rollout whose every response is a bare EOS is invalid (--min-response-tokens 1).
             last_valid_rollout = (rollout, P) if valid.any() else reuse_last_valid_rollout(last_valid_rollout,
                                                                                            iteration, rank, args)
             batch, batch_P = last_valid_rollout
@@ -1277,16 +1286,16 @@ if __name__ == "__main__":
                     if first_step and args.trace_every:  # before any optimizer step, for the trace
                         first_logprobs[micro_batch_rows] = new_logprobs.detach()
                     # Backward: each loss weighed by its micro-batch's share of the tokens; the actor's with PPO-ptx's
-                    # gamma * language-modelling loss when --unsup-dataset is set.
+                    # gamma * language-modelling loss when --unsup-dataset is set (else ptx_loss is 0).
                     weight = loss_weight(mb["mask"], mini_batch_tokens[mini_batch_index], args)
                     ptx_loss = pretraining_loss(actor, unsup_blocks, update_sums, iteration, args)
                     actor.backward(weight * pg_loss + ptx_loss)
                     critic.backward(weight * vf_loss)
-                    with aligned_overflow(actor, critic, args.align_overflow):
+                    with aligned_overflow(actor, critic, args.align_overflow):  # nothing unless --align-overflow
                         actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
                         critic.step()
                     add_update_sums(update_sums, new_logits, mb["mask"], pg_loss, vf_loss, pg_stats, vf_clipfrac, args)
-                update_ema(ema, actor, args.ema_decay)  # --enable-ema: after every actor optimizer step
+                update_ema(ema, actor, args.ema_decay)  # nothing unless --enable-ema: after every actor step
         update_time = time.time() - update_start
 
         # LOGGING: TRL's metric names, each a mean over all ranks' responses or tokens (iteration_metrics).
@@ -1297,11 +1306,13 @@ if __name__ == "__main__":
         metrics = iteration_metrics(update_sums, rollout_stats, kl_coef, lr, iteration, times, args)
         if is_main:
             log_iteration(metrics, iteration, writer, metrics_file, tokenizer, (prompt_ids, responses, scores), args)
+        # (trace_response, adapted_kl_coef, save_snapshot: nothing in a default run; they act with --trace-every,
+        # --target-kl and --snapshot-every.)
         trace_response(iteration, tokenizer, responses, scores, first_logprobs, run, args, mask=update_mask,
                        logprob=logprobs, ref_logprob=ref_logprobs, kl=kl, reward=rewards, value=values,
                        advantage=gae_advantages, whitened=advantages, **{"return": returns})
-        kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)  # Ziegler et al.'s adaptive KL controller (--target-kl)
-        save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)  # with --snapshot-every
+        kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)  # Ziegler et al.'s adaptive KL controller
+        save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)
         if args.save_every and (iteration + 1) % args.save_every == 0:
             save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, last_valid_rollout, run["run_name"], args)
 

@@ -165,7 +165,14 @@ def per_token_rewards(
 
     InstructGPT's objective r_theta(x, y) - beta log(pi(y|x) / pi_ref(y|x)), spread over the tokens: the KL penalty
     is paid at every response token, the reward model's score once, at the last in-mask position (see the module
-    docstring for why there). beta = kl_coef, c = clip_score (DeepSpeed-Chat's clip_reward_value).
+    docstring for why there). beta = kl_coef, c = clip_score (DeepSpeed-Chat's clip_reward_value). One response that
+    stopped at t = 2, the score s of the whole prompt + response landing on its EOS:
+
+        response index t     0           1           2 = EOS                 3 (pad)
+        response_mask        1           1           1                       0
+        kl (k1)              lp0 - ref0  lp1 - ref1  lp2 - ref2              0
+        rewards              -beta kl0   -beta kl1   -beta kl2 + clip(s)     0
+
     scores [B]; logprobs, ref_logprobs, response_mask [B, R] -> (rewards [B, R], kl [B, R]); both exactly 0 where
     the mask is 0. A row whose mask is all 0 gets no score and all-zero rewards.
     """
