@@ -1324,7 +1324,7 @@ if __name__ == "__main__":
                                         merge_lora=True)
     if is_main:
         plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
-                            {**plumbing.read_record(args.output_dir), "finished": True})
+                            {**(plumbing.read_record(args.output_dir) or saved_by), "finished": True})
         print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
               f"in {time.time() - start_time:.0f}s")
         metrics_file.close()

@@ -670,6 +670,22 @@ def test_invalid_rows_in_the_first_micro_batch_pass_the_ratio_check(stages, tmp_
     assert all(m["val/num_invalid"] == 1 for m in metrics)
 
 
+def test_a_record_gone_during_the_run_is_written_again(stages, tmp_path, monkeypatch):
+    """The output folder's record is read back at the end to mark the run finished: one that is gone by then (or no
+    longer reads) is written again from the run's own name, instead of a TypeError after the whole run."""
+    save_engine_folder = plumbing.save_engine_folder
+
+    def save_then_lose_the_record(engine, tokenizer, output_dir, record, merge_lora=False):
+        save_engine_folder(engine, tokenizer, output_dir, record, merge_lora)
+        (tmp_path / "out" / plumbing.RECORD).write_text("{not json")
+
+    monkeypatch.setattr(plumbing, "save_engine_folder", save_then_lose_the_record)
+    _, exp_name = run_ppo(stages, tmp_path / "out", "--total-episodes", "8", here=True)
+    record = plumbing.read_record(str(tmp_path / "out"))
+    assert record["finished"] and record["script"] == "ppo.py" and record["run_name"].startswith(exp_name)
+    read_metrics(exp_name)
+
+
 def test_a_non_finite_loss_stops_the_run(stages, tmp_path):
     error = ppo_error(stages, tmp_path / "out", "--total-episodes", "16", "--actor-learning-rate", "1e30",
                       "--critic-learning-rate", "1e30")
