@@ -205,9 +205,9 @@ def check_embedding_rows(flag: str, path: str, readers: dict[str, str], trust_re
         return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code).get_text_config().vocab_size
     sampled = rows(path)
     for reader_flag, reader in readers.items():
-        if rows(reader) < sampled:
+        if (embedded := rows(reader)) < sampled:
             fail(f"{flag} {path!r} samples token ids from {sampled} rows, but {reader_flag} {reader!r} embeds only "
-                 f"{rows(reader)}: an id past them would stop the run; give models of one vocabulary size (resize "
+                 f"{embedded}: an id past them would stop the run; give models of one vocabulary size (resize "
                  f"the smaller one's embeddings with model.resize_token_embeddings({sampled}) and save it)")
 
 def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: bool):
@@ -932,17 +932,20 @@ def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dic
         write_json(os.path.join(staging, RECORD), {**record, "files": sorted(saved)})
         fsync_tree(staging)
         listed = (read_record(output_dir) or {}).get("files")
-        listed = listed if isinstance(listed, list) else []
-        earlier = [name for name in listed if name not in saved and own_path(output_dir, name, SAVED_FILE)]
-        gone = [name for name in listed if isinstance(name, str) and SAVED_FILE.fullmatch(name)
-                and not os.path.lexists(os.path.join(output_dir, name))]  # removed already: nothing to do
-        ignored = [name for name in listed if name not in saved + earlier + gone]
+        ignored = []
+        for name in listed if isinstance(listed, list) else []:
+            if name in saved:
+                continue
+            earlier = own_path(output_dir, name, SAVED_FILE)
+            if earlier:  # an earlier save's file (its record names it) not written now
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(earlier)
+            elif not (isinstance(name, str) and SAVED_FILE.fullmatch(name)
+                      and not os.path.lexists(os.path.join(output_dir, name))):  # (one removed already: nothing to do)
+                ignored.append(name)
         if ignored:
             print(f"{os.path.join(output_dir, RECORD)} lists {len(ignored)} names that are no files of a save there "
                   f"({', '.join(map(repr, ignored[:3]))}): left alone")
-        for name in earlier:
-            with contextlib.suppress(FileNotFoundError):  # an earlier save's file (its record names it) not written now
-                os.remove(os.path.join(output_dir, name))
         for name in sorted(saved, key=lambda name: name == RECORD):  # the record last: it says the folder is complete
             os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
         os.rmdir(staging)
@@ -1241,9 +1244,7 @@ def continue_metrics_file(path: str, iteration: int) -> None:
         return
     kept = []
     try:
-        if os.path.islink(path):
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
-        with open(path) as f:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:  # never through a link
             for line in f:
                 with contextlib.suppress(ValueError, TypeError, KeyError):
                     if json.loads(line)["iteration"] <= iteration:
