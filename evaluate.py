@@ -85,6 +85,123 @@ class Args:
     """allow models and tokenizers whose code comes with their hub repository"""
 
 
+def main(args: Args) -> None:
+    """Answer the evaluation prompts with each policy, score them, and write the table and the figures."""
+    plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
+    if args.snapshots_dir is None:
+        args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
+    check_evaluation_dir(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        plumbing.keep_freed_memory()  # as every rank of the three stages has it (detail 44)
+    snapshots = snapshots_of_run(args)
+    models = [(args.sft_model, "check --sft-model"), (args.ppo_model, "check --ppo-model"),
+              (args.reward_model, "check --reward-model")] + [(path, "check --snapshots-dir") for path in snapshots]
+    for path, hint in models:
+        plumbing.check_model_folder(path, hint)
+    args.metrics_file = training_metrics_file(args)
+    check_not_saved_by_ppo(args.reward_model, "--reward-model")
+
+    # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
+    tokenizer = plumbing.load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
+    tokenizer.padding_side = "left"
+    ppo_tokenizer = plumbing.load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code)
+    if ppo_tokenizer.get_vocab() != tokenizer.get_vocab():
+        plumbing.fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check "
+                      "--ppo-model")
+    # A reward model with a tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
+    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model, "check --reward-model", tokenizer,
+                                                     args.trust_remote_code)
+    for path, flag, path_tokenizer in [(args.sft_model, "--sft-model", tokenizer), (args.ppo_model, "--ppo-model",
+                                       tokenizer), (args.reward_model, "--reward-model", reward_tokenizer)]:
+        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
+    # The SFT model reads the PPO policy's and the snapshots' ids, the reward model every policy's (in the same tokens).
+    readers = {"--reward-model": args.reward_model} if reward_tokenizer is None else {}
+    plumbing.check_embedding_rows("--sft-model", args.sft_model, readers, args.trust_remote_code)
+    for path, flag in [(args.ppo_model, "--ppo-model")] + [(path, "--snapshots-dir") for path in snapshots]:
+        plumbing.check_embedding_rows(flag, path, {"--sft-model": args.sft_model, **readers}, args.trust_remote_code)
+    prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
+                                    args.assistant_marker if args.split_conversations else None)
+
+    sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
+    ppo = load_model(AutoModelForCausalLM, args.ppo_model, "check --ppo-model", args, device)
+    reward = load_model(AutoModelForSequenceClassification, args.reward_model, "check --reward-model", args, device)
+    check_score_head(reward, args.reward_model, "--reward-model")
+    reward_mean, reward_std = score_normalization(reward.config)
+
+    # ppo.py's sampling settings. The models' own generation_config.json is replaced, so that nothing in it (a
+    # repetition penalty, min_new_tokens) changes what is sampled.
+    generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
+    sft.generation_config = ppo.generation_config = generation_config
+    judged = (tokenizer, reward_tokenizer, prompts, generation_config, args, reward_mean, reward_std, device)
+    results = {"sft": answer(sft, sft, reward, *judged)}
+    print(f"SFT answered {len(prompts)} prompts")
+    results["ppo"] = answer(ppo, sft, reward, *judged)
+    print(f"PPO answered {len(prompts)} prompts")
+    summary = {"prompts": len(prompts), "sft": summarize(results["sft"], None, args.gold_judge),
+               "ppo": summarize(results["ppo"], results["sft"], args.gold_judge), "args": asdict(args)}
+    summary["length_change"] = summary["ppo"]["mean_length"] / summary["sft"]["mean_length"] - 1
+
+    sft_summary, ppo_summary = summary["sft"], summary["ppo"]
+    table = Table("", "SFT policy", "PPO policy", title=f"{len(prompts)} held-out prompts of {args.dataset!r} ({args.split})")
+    rows = [("mean reward-model score (normalized)", "mean_score", "{:+.3f}"),
+            ("win rate of PPO over SFT, by the reward model", "win_rate", "{:.3f}")]
+    if args.gold_judge:
+        rows += [("mean gold score (responses that parse)", "mean_gold_score", "{:+.3f}"),
+                 ("win rate of PPO over SFT, by the gold rule", "gold_win_rate", "{:.3f}"),
+                 ("parse rate", "parse_rate", "{:.3f}"),
+                 ("Spearman correlation of reward model and gold rule", "spearman_score_gold", "{:.3f}")]
+    rows += [("mean KL to the SFT policy (per response)", "mean_kl_to_sft", "{:.2f}"),
+             ("mean length (tokens, EOS included)", "mean_length", "{:.1f}")]
+    for name, key, form in rows:
+        table.add_row(name, form.format(sft_summary[key]) if key in sft_summary else "", form.format(ppo_summary[key]))
+    samples = Table("prompt", "SFT", "PPO", title="samples [reward-model score | gold score]" if args.gold_judge
+                    else "samples [reward-model score]", show_lines=True)
+
+    def label(result, i):
+        gold = result["gold"][i]
+        if not args.gold_judge:
+            return f"{result['responses'][i]}  [{result['scores'][i]:+.2f}]"
+        return f"{result['responses'][i]}  [{result['scores'][i]:+.2f} | {'no parse' if gold is None else f'{gold:+.2f}'}]"
+
+    for i in range(min(args.num_samples, len(prompts))):
+        samples.add_row(tokenizer.decode(prompts[i], skip_special_tokens=True), label(results["sft"], i),
+                        label(results["ppo"], i))
+    Console().print(table, samples)
+
+    # The figures are saved before any picture is drawn, so that a failure in plotting never loses them.
+    evaluation_file = os.path.join(args.output_dir, "evaluation.json")
+    plumbing.write_json(evaluation_file, summary)
+    print(f"wrote {evaluation_file}")
+    if args.metrics_file is not None:
+        plot_training(args.metrics_file, os.path.join(args.output_dir, "ppo_training.png"))
+
+    # The over-optimisation picture: every snapshot answers the first snapshot_prompts prompts, against the SFT policy.
+    if snapshots and args.gold_judge:
+        few = prompts[: args.snapshot_prompts]
+        judged_few = (tokenizer, reward_tokenizer, few, generation_config, args, reward_mean, reward_std, device)
+        sft_few = answer(sft, sft, reward, *judged_few)
+        points = [{"label": "SFT", **summarize(sft_few, sft_few, gold_judge=True)}]
+        for path in snapshots:
+            policy = load_model(AutoModelForCausalLM, path, "check --snapshots-dir", args, device)
+            policy.generation_config = generation_config
+            result = answer(policy, sft, reward, *judged_few)
+            points.append({"label": os.path.basename(path).replace("iteration_", "it "),
+                           **summarize(result, sft_few, gold_judge=True)})
+            print(f"{points[-1]['label']}: KL {points[-1]['mean_kl_to_sft']:.2f}, reward model "
+                  f"{points[-1]['mean_score']:+.2f}, gold {points[-1]['mean_gold_score']:+.2f}, gold win rate "
+                  f"{points[-1]['gold_win_rate']:.3f}")
+        summary["overoptimization"] = points
+        plumbing.write_json(evaluation_file, summary)
+        print(f"wrote {evaluation_file}, with the snapshots' figures")
+        picture = os.path.join(args.output_dir, "overoptimization.png")
+        plot_overoptimization(points, picture)
+        print(f"wrote {picture} ({len(snapshots)} snapshots from {args.snapshots_dir})")
+    elif args.gold_judge:
+        print(f"no snapshots in {args.snapshots_dir}: run ppo.py with --snapshot-every N for the over-optimisation "
+              "picture")
+
+
 OUTPUTS = ["evaluation.json", "ppo_training.png", "overoptimization.png"]  # what an evaluation writes in --output-dir
 
 def check_evaluation_dir(args: Args) -> None:
@@ -333,117 +450,4 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
-    if args.snapshots_dir is None:
-        args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
-    check_evaluation_dir(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        plumbing.keep_freed_memory()  # as every rank of the three stages has it (detail 44)
-    snapshots = snapshots_of_run(args)
-    models = [(args.sft_model, "check --sft-model"), (args.ppo_model, "check --ppo-model"),
-              (args.reward_model, "check --reward-model")] + [(path, "check --snapshots-dir") for path in snapshots]
-    for path, hint in models:
-        plumbing.check_model_folder(path, hint)
-    args.metrics_file = training_metrics_file(args)
-    check_not_saved_by_ppo(args.reward_model, "--reward-model")
-
-    # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
-    tokenizer = plumbing.load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    ppo_tokenizer = plumbing.load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code)
-    if ppo_tokenizer.get_vocab() != tokenizer.get_vocab():
-        plumbing.fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check "
-                      "--ppo-model")
-    # A reward model with a tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
-    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model, "check --reward-model", tokenizer,
-                                                     args.trust_remote_code)
-    for path, flag, path_tokenizer in [(args.sft_model, "--sft-model", tokenizer), (args.ppo_model, "--ppo-model",
-                                       tokenizer), (args.reward_model, "--reward-model", reward_tokenizer)]:
-        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
-    # The SFT model reads the PPO policy's and the snapshots' ids, the reward model every policy's (in the same tokens).
-    readers = {"--reward-model": args.reward_model} if reward_tokenizer is None else {}
-    plumbing.check_embedding_rows("--sft-model", args.sft_model, readers, args.trust_remote_code)
-    for path, flag in [(args.ppo_model, "--ppo-model")] + [(path, "--snapshots-dir") for path in snapshots]:
-        plumbing.check_embedding_rows(flag, path, {"--sft-model": args.sft_model, **readers}, args.trust_remote_code)
-    prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
-                                    args.assistant_marker if args.split_conversations else None)
-
-    sft = load_model(AutoModelForCausalLM, args.sft_model, "check --sft-model", args, device)
-    ppo = load_model(AutoModelForCausalLM, args.ppo_model, "check --ppo-model", args, device)
-    reward = load_model(AutoModelForSequenceClassification, args.reward_model, "check --reward-model", args, device)
-    check_score_head(reward, args.reward_model, "--reward-model")
-    reward_mean, reward_std = score_normalization(reward.config)
-
-    # ppo.py's sampling settings. The models' own generation_config.json is replaced, so that nothing in it (a
-    # repetition penalty, min_new_tokens) changes what is sampled.
-    generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
-    sft.generation_config = ppo.generation_config = generation_config
-    judged = (tokenizer, reward_tokenizer, prompts, generation_config, args, reward_mean, reward_std, device)
-    results = {"sft": answer(sft, sft, reward, *judged)}
-    print(f"SFT answered {len(prompts)} prompts")
-    results["ppo"] = answer(ppo, sft, reward, *judged)
-    print(f"PPO answered {len(prompts)} prompts")
-    summary = {"prompts": len(prompts), "sft": summarize(results["sft"], None, args.gold_judge),
-               "ppo": summarize(results["ppo"], results["sft"], args.gold_judge), "args": asdict(args)}
-    summary["length_change"] = summary["ppo"]["mean_length"] / summary["sft"]["mean_length"] - 1
-
-    sft_summary, ppo_summary = summary["sft"], summary["ppo"]
-    table = Table("", "SFT policy", "PPO policy", title=f"{len(prompts)} held-out prompts of {args.dataset!r} ({args.split})")
-    rows = [("mean reward-model score (normalized)", "mean_score", "{:+.3f}"),
-            ("win rate of PPO over SFT, by the reward model", "win_rate", "{:.3f}")]
-    if args.gold_judge:
-        rows += [("mean gold score (responses that parse)", "mean_gold_score", "{:+.3f}"),
-                 ("win rate of PPO over SFT, by the gold rule", "gold_win_rate", "{:.3f}"),
-                 ("parse rate", "parse_rate", "{:.3f}"),
-                 ("Spearman correlation of reward model and gold rule", "spearman_score_gold", "{:.3f}")]
-    rows += [("mean KL to the SFT policy (per response)", "mean_kl_to_sft", "{:.2f}"),
-             ("mean length (tokens, EOS included)", "mean_length", "{:.1f}")]
-    for name, key, form in rows:
-        table.add_row(name, form.format(sft_summary[key]) if key in sft_summary else "", form.format(ppo_summary[key]))
-    samples = Table("prompt", "SFT", "PPO", title="samples [reward-model score | gold score]" if args.gold_judge
-                    else "samples [reward-model score]", show_lines=True)
-
-    def label(result, i):
-        gold = result["gold"][i]
-        if not args.gold_judge:
-            return f"{result['responses'][i]}  [{result['scores'][i]:+.2f}]"
-        return f"{result['responses'][i]}  [{result['scores'][i]:+.2f} | {'no parse' if gold is None else f'{gold:+.2f}'}]"
-
-    for i in range(min(args.num_samples, len(prompts))):
-        samples.add_row(tokenizer.decode(prompts[i], skip_special_tokens=True), label(results["sft"], i),
-                        label(results["ppo"], i))
-    Console().print(table, samples)
-
-    # The figures are saved before any picture is drawn, so that a failure in plotting never loses them.
-    evaluation_file = os.path.join(args.output_dir, "evaluation.json")
-    plumbing.write_json(evaluation_file, summary)
-    print(f"wrote {evaluation_file}")
-    if args.metrics_file is not None:
-        plot_training(args.metrics_file, os.path.join(args.output_dir, "ppo_training.png"))
-
-    # The over-optimisation picture: every snapshot answers the first snapshot_prompts prompts, against the SFT policy.
-    if snapshots and args.gold_judge:
-        few = prompts[: args.snapshot_prompts]
-        judged_few = (tokenizer, reward_tokenizer, few, generation_config, args, reward_mean, reward_std, device)
-        sft_few = answer(sft, sft, reward, *judged_few)
-        points = [{"label": "SFT", **summarize(sft_few, sft_few, gold_judge=True)}]
-        for path in snapshots:
-            policy = load_model(AutoModelForCausalLM, path, "check --snapshots-dir", args, device)
-            policy.generation_config = generation_config
-            result = answer(policy, sft, reward, *judged_few)
-            points.append({"label": os.path.basename(path).replace("iteration_", "it "),
-                           **summarize(result, sft_few, gold_judge=True)})
-            print(f"{points[-1]['label']}: KL {points[-1]['mean_kl_to_sft']:.2f}, reward model "
-                  f"{points[-1]['mean_score']:+.2f}, gold {points[-1]['mean_gold_score']:+.2f}, gold win rate "
-                  f"{points[-1]['gold_win_rate']:.3f}")
-        summary["overoptimization"] = points
-        plumbing.write_json(evaluation_file, summary)
-        print(f"wrote {evaluation_file}, with the snapshots' figures")
-        picture = os.path.join(args.output_dir, "overoptimization.png")
-        plot_overoptimization(points, picture)
-        print(f"wrote {picture} ({len(snapshots)} snapshots from {args.snapshots_dir})")
-    elif args.gold_judge:
-        print(f"no snapshots in {args.snapshots_dir}: run ppo.py with --snapshot-every N for the over-optimisation "
-              "picture")
+    main(tyro.cli(Args))

@@ -41,6 +41,7 @@ import plumbing
 import rlhf_math
 from plumbing import CountInt, Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Seed
 
+
 @dataclass
 class Args:
     # Experiment
@@ -259,64 +260,201 @@ class Args:
     """PPO iterations (rollout + update) in the whole run"""
 
 
+def main(args: Args) -> None:
+    """Stage 3: PPO of the SFT model against the reward model, then the actor and the critic saved."""
+    check_args(args)
+    device = plumbing.init_distributed(args, zero3=3 in zero_stages(args).values())
+    rank, is_main = dist.get_rank(), dist.get_rank() == 0
+
+    # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's
+    # share into num_mini_batches optimizer steps of gradient_accumulation_steps forward passes each.
+    args.batch_size = args.per_device_rollout_batch_size * args.world_size
+    args.num_iterations = plumbing.exact_div(args.total_episodes, args.batch_size,
+                                             "--total-episodes / (rollout batch x ranks)")
+    args.per_device_mini_batch_size = plumbing.exact_div(args.per_device_rollout_batch_size, args.num_mini_batches,
+                                                         "--per-device-rollout-batch-size / --num-mini-batches")
+    args.gradient_accumulation_steps = plumbing.exact_div(
+        args.per_device_mini_batch_size, args.per_device_train_batch_size,
+        "rollout batch per mini-batch / --per-device-train-batch-size")
+
+    # The output folder, checked, locked and claimed before anything loads, and the run: a new one, or the one that
+    # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
+    run = plumbing.on_rank_0(lambda: start_run(args))
+    saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
+    tokenizer, reward_tokenizer, critic_path = check_models(args, is_main)
+    prompts = plumbing.load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len,
+                                    is_main, args.assistant_marker if args.split_conversations else None)
+    if len(prompts) < args.batch_size:
+        plumbing.fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
+                      "raise --max-prompt-len or lower --per-device-rollout-batch-size")
+    unsup_blocks = load_pretraining_blocks(tokenizer, args)
+
+    torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
+    actor, reference, critic, reward, ema = build_engines(args, critic_path)
+    # Reward normalization (Ziegler et al. 2019): (score - reward_mean) / reward_std has mean 0 and std 1 where PPO
+    # starts. The critic starts as a copy of the reward model: its outputs are mapped the same way, by its own config.
+    reward_mean, reward_std = score_normalization(reward.module.config)
+    critic_mean, critic_std = score_normalization(critic.module.config)
+    check_normalization(reward.module.config, run["inputs"]["--actor-model-name-or-path"], args)
+    generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
+    actor.module.generation_config = generation_config  # replaces the model's own, so that nothing else is applied
+
+    start_iteration, kl_coef, last_valid = 0, args.kl_coef, None  # last_valid: the last valid batch and its P
+    if args.resume:
+        start_iteration, kl_coef, last_valid = load_checkpoint(run["checkpoints"], actor, critic, ema, args,
+                                                                       device)
+    writer, metrics_file = start_logging(run, start_iteration, args) if is_main else (None, None)
+    # Under ZeRO-3, each model's weights are gathered once per rollout (plumbing.gathered); the hybrid engine its own.
+    gather_actor = args.gather_weights_for_rollout and not args.enable_hybrid_engine
+    micro_batch = args.per_device_train_batch_size  # rows per forward pass, in the rollout's scoring and the update
+    start_time = time.time()
+    for iteration in range(start_iteration, args.num_iterations):
+        # Seeds of the iteration's own: a resumed run repeats exactly what an uninterrupted one would have done.
+        batch_prompts = prompts_of_iteration(prompts, iteration, rank, args)
+        torch.manual_seed(args.seed * 100_003 + iteration * args.world_size + rank)  # sampling, mini-batch shuffles
+        padded = tokenizer.pad({"input_ids": batch_prompts}, return_tensors="pt")  # left padding
+        prompt_ids, prompt_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device)
+        P = prompt_ids.shape[1]  # prompt length of this batch, padding included
+
+        # ROLLOUT
+        rollout_start = time.time()
+        with torch.no_grad():
+            # 1. Generate: sample a response to every prompt from the current policy pi_theta.
+            # (gathered: nothing below ZeRO-3; under it, one gather for the actor's generation and its log-probs.)
+            with plumbing.gathered(actor, gather_actor):
+                responses = sample_responses(actor, prompt_ids, prompt_mask, generation_config, gather_actor,
+                                             args.enable_hybrid_engine, iteration, start_iteration)
+                generation_time = time.time() - rollout_start
+                # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
+                response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
+                responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
+                sequences = torch.cat([prompt_ids, responses], dim=1)
+                attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+                contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
+                # 3. Log-probs and values, one model at a time, in micro-batches: log pi_theta(a_t|s_t) and
+                # log pi_ref(a_t|s_t) at the sampling temperature, and V(s_t) from the token before a_t.
+                logprobs = in_micro_batches(response_logprobs, micro_batch, actor.module, sequences, attention_mask,
+                                            P, args.temperature)
+            # (adapters_disabled: nothing without LoRA; with actor LoRA the reference is the actor, adapters off.)
+            with plumbing.gathered(reference, args.gather_weights_for_rollout), \
+                    plumbing.adapters_disabled(reference.module):
+                ref_logprobs = in_micro_batches(response_logprobs, micro_batch, reference.module, sequences,
+                                                attention_mask, P, args.temperature)
+            with plumbing.gathered(critic, args.gather_weights_for_rollout):
+                values = in_micro_batches(critic_values, micro_batch, critic.module, sequences, attention_mask, P,
+                                          critic_mean, critic_std)
+            # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
+            # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std, in the reward model's tokens.
+            with plumbing.gathered(reward, args.gather_weights_for_rollout):
+                scores = in_micro_batches(reward_scores, micro_batch, reward.module, sequences, attention_mask, P,
+                                          reward_mean, reward_std, tokenizer, reward_tokenizer)
+            # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
+            if args.missing_eos_penalty is not None:
+                scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
+            check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration, start_iteration)
+
+            # 5. Invalid generations, too short to learn from, are left out of the update (their mask is zeroed).
+            # The loop's three masks, each made once: attention_mask [B, P + R], what the models read (the prompt's
+            # padding off); response_mask [B, R], each response up to its EOS (lengths, the EOS count); update_mask
+            # [B, R], the valid responses' response_mask: rlhf_math's one mask, the only one that the rewards, the
+            # advantages and the losses see.
+            real_tokens = response_mask.sum(dim=1) - contains_eos.long()
+            valid = real_tokens >= args.min_response_tokens
+            update_mask = response_mask * valid.unsqueeze(1)
+
+            # 6. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
+            rewards, kl = rlhf_math.per_token_rewards(
+                scores, logprobs, ref_logprobs, update_mask, kl_coef, args.clip_score, args.kl_estimator)
+            if args.whiten_rewards:
+                rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False,
+                                                  stats=batch_mean_var(rewards, update_mask, args.whiten_across_ranks))
+            gae_advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma,
+                                                                           args.lam)
+            advantages = rlhf_math.masked_whiten(gae_advantages, update_mask, stats=batch_mean_var(
+                gae_advantages, update_mask, args.whiten_across_ranks)) if args.whiten_advantages else gae_advantages
+            rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
+                           advantages=advantages, returns=returns, mask=update_mask)
+            # The update's batch and its prompt length P: this rollout, or, when none of its responses is valid, the
+            # last valid batch (DeepSpeed-Chat's fallback; by default only bare EOS responses are invalid).
+            batch, P = last_valid = last_valid_batch(rollout, P, valid, last_valid, iteration, rank, args)
+        rollout_time = time.time() - rollout_start
+
+        # UPDATE: num_ppo_epochs passes; each splits the batch into num_mini_batches optimizer steps of micro-batches.
+        update_start = time.time()
+        lr = actor.get_lr()[0]  # the rate of this iteration's first step
+        update_sums, first_logprobs = new_update_sums(device), torch.full_like(logprobs, float("nan"))
+        for epoch in range(args.num_ppo_epochs):
+            mini_batches = torch.randperm(len(batch["mask"]), device=device).split(args.per_device_mini_batch_size)
+            mini_batch_tokens = tokens_per_mini_batch(batch["mask"], mini_batches)
+            for mini_batch_index, mini_batch in enumerate(mini_batches):
+                for micro_batch_rows in mini_batch.split(micro_batch):
+                    mb = {k: v[micro_batch_rows] for k, v in batch.items()}
+                    # The policy's and the value function's new outputs on the rollout's sequences.
+                    new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], P)
+                    new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, P:],
+                                                                  args.temperature)
+                    new_values = critic_values(critic.module, mb["sequences"], mb["attention_mask"], P,
+                                               critic_mean, critic_std)
+                    # PPO's clipped surrogate objective and clipped value loss.
+                    pg_loss, pg_stats = rlhf_math.policy_loss(
+                        new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
+                    vf_loss, vf_clipfrac = rlhf_math.value_loss(
+                        new_values, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
+                    first_step = epoch == 0 and mini_batch_index == 0 and batch is rollout
+                    check_update(new_logprobs, mb, pg_loss, vf_loss, first_step, iteration, args)
+                    if first_step and args.trace_every:  # before any optimizer step, for the trace
+                        first_logprobs[micro_batch_rows] = new_logprobs.detach()
+                    # Backward: each loss weighed by its micro-batch's share of the tokens; the actor's with PPO-ptx's
+                    # gamma * language-modelling loss when --unsup-dataset is set (else ptx_loss is 0).
+                    weight = loss_weight(mb["mask"], mini_batch_tokens[mini_batch_index], args)
+                    ptx_loss = pretraining_loss(actor, unsup_blocks, update_sums, iteration, args)
+                    actor.backward(weight * pg_loss + ptx_loss)
+                    critic.backward(weight * vf_loss)
+                    with aligned_overflow(actor, critic, args.align_overflow):  # nothing unless --align-overflow
+                        actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
+                        critic.step()
+                    add_update_sums(update_sums, new_logits, mb["mask"], pg_loss, vf_loss, pg_stats, vf_clipfrac, args)
+                update_ema(ema, actor, args.ema_decay)  # nothing unless --enable-ema: after every actor step
+        update_time = time.time() - update_start
+
+        # LOGGING: TRL's metric names, each a mean over all ranks' responses or tokens (iteration_metrics).
+        rollout_stats = dict(kl=kl, scores=scores, valid=valid, logprobs=logprobs, update_mask=update_mask,
+                             response_mask=response_mask, contains_eos=contains_eos)
+        times = {"eps": (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time),
+                 "time/rollout": rollout_time, "time/generation": generation_time, "time/update": update_time}
+        metrics = iteration_metrics(update_sums, rollout_stats, kl_coef, lr, iteration, times, args)
+        if is_main:
+            log_iteration(metrics, iteration, writer, metrics_file, tokenizer, (prompt_ids, responses, scores), args)
+        # (trace_response, adapted_kl_coef, save_snapshot: nothing in a default run; they act with --trace-every,
+        # --target-kl and --snapshot-every.)
+        trace_response(iteration, tokenizer, responses, scores, first_logprobs, run, args, mask=update_mask,
+                       logprob=logprobs, ref_logprob=ref_logprobs, kl=kl, reward=rewards, value=values,
+                       advantage=gae_advantages, whitened=advantages, **{"return": returns})
+        kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)  # Ziegler et al.'s adaptive KL controller
+        save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)
+        if args.save_every and (iteration + 1) % args.save_every == 0:
+            save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, last_valid, run["run_name"], args)
+
+    # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
+    record = {**saved_by, "iteration": args.num_iterations, "finished": True}
+    for name, engine in [("actor", actor), ("critic", critic), ("actor_ema", ema)]:
+        if engine is not None:
+            plumbing.save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record,
+                                        merge_lora=True)
+    if is_main:
+        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
+                            {**(plumbing.read_record(args.output_dir) or saved_by), "finished": True})
+        print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
+              f"in {time.time() - start_time:.0f}s")
+        metrics_file.close()
+        writer.close()
+    plumbing.end_run()
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# PPO's quantities from the models: log-probs, values and scores of a batch of prompt + response sequences. The
-# formulas themselves are in rlhf_math.py.
+# The loop's helpers, in the order it first calls them: PPO's quantities from the models (log-probs,
+# values, scores) and the batch bookkeeping around rlhf_math.py's formulas.
 # ---------------------------------------------------------------------------------------------------------------
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses."""
-    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-
-def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """The logits that predict each response token: [B, P + R] sequences -> [B, R, V].
-
-    The logits at position P - 1 + t predict the token at position P + t, so they are read one position earlier; only
-    positions P - 1 to P + R - 1 go through the output layer (logits_to_keep), none of the prompt's before them."""
-    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                use_cache=False, logits_to_keep=sequences.shape[1] - prompt_len + 1)
-    return out.logits[:, :-1]
-
-def sampling_config(tokenizer, max_new_tokens: int, temperature: float) -> GenerationConfig:
-    """Plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled distribution
-    differ from the one whose log-probs are computed (no top-k, no top-p, no min_new_tokens, which would suppress
-    EOS). The pad token is suppressed: a young policy does sample it, and a pad inside a response breaks every mask
-    built from padding. (The log-probs keep pad in their softmax; the SFT model never learned to produce pad, so its
-    probability, and the difference, is negligible.)"""
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
-                            top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            suppress_tokens=[tokenizer.pad_token_id])
-
-def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                      temperature: float) -> torch.Tensor:
-    """log pi(a_t | s_t) of every response token, at the sampling temperature: [B, P + R] sequences -> [B, R]."""
-    logits = response_logits(model, sequences, attention_mask, prompt_len)
-    return rlhf_math.logprobs_from_logits(logits, sequences[:, prompt_len:], temperature)
-
-def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """A sequence classifier's scalar head applied at every position instead of only the last: [B, T] -> [B, T]."""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=sequences, attention_mask=attention_mask,
-                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
-
-def critic_values(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
-                  std: float) -> torch.Tensor:
-    """V(s_t) for every response token: the critic's head at position P - 1 + t, the last token of the state before
-    a_t, on the normalized reward scale ((output - mean) / std, as the scores). [B, P + R] -> [B, R]."""
-    return (head_at_every_position(model, sequences, attention_mask)[:, prompt_len - 1 : -1] - mean) / std
-
-def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
-                  std: float, tokenizer=None, reward_tokenizer=None) -> torch.Tensor:
-    """The normalized score (r(x, y) - mean) / std of each prompt + response: the reward model's head at the last
-    in-mask response position (the EOS, or the last token of a response cut at the length limit), where
-    rlhf_math.per_token_rewards lands it. [B, P + R] -> [B]. A reward model with a tokenizer of its own
-    (reward_tokenizer) reads the sequences re-tokenized (reward_model_inputs)."""
-    sequences, attention_mask, prompt_len = reward_model_inputs(sequences, attention_mask, prompt_len, tokenizer,
-                                                                reward_tokenizer)
-    token_scores = head_at_every_position(model, sequences, attention_mask)[:, prompt_len:]
-    last = attention_mask[:, prompt_len:].sum(dim=1) - 1
-    return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std
-
 def score_normalization(config) -> tuple[float, float]:
     """The reward_mean and reward_std that reward_model.py stored in a model's config: the mean and standard deviation
     of its scores of the SFT policy's responses. (0, 1), no normalization, for a config without them."""
@@ -332,28 +470,122 @@ def score_normalization(config) -> tuple[float, float]:
                       "delete both for none")
     return mean, std
 
-def check_normalization(config, actor_identity: str, args: Args) -> None:
-    """reward_model.py measured reward_mean and reward_std on one policy's responses, sampled at one temperature and
-    length (its config's reward_normalization). With another actor or sampling the scores do not start at mean 0 and
-    std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so. actor_identity: the actor folder's
-    plumbing.folder_identity, as start_run read it. A config without reward_std (not reward_model.py's): said too."""
-    measured = getattr(config, "reward_normalization", None)
-    if measured is not None and not isinstance(measured, dict):
-        measured = {}  # not reward_model.py's: every setting below is said to differ
-    if dist.get_rank() == 0 and not hasattr(config, "reward_std"):
-        print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
-              "are used unnormalized")
-    if measured is None or dist.get_rank() != 0:
-        return
-    this = {"policy_identity": actor_identity, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
-    differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured.get('policy')!r})"
-              if key == "policy_identity" else
-              f"--{key.replace('_', '-')} {value!r} (measured with {measured.get(key)!r})"
-              for key, value in this.items() if measured.get(key) != value]
-    if differ:
-        print(f"warning: the reward model's reward_mean and reward_std were measured on other responses: "
-              f"{'; '.join(differ)}. The normalized scores will not start at mean 0 and std 1; run reward_model.py "
-              "with --policy-model-name-or-path, --temperature and --max-new-tokens of this run to measure them anew")
+def sampling_config(tokenizer, max_new_tokens: int, temperature: float) -> GenerationConfig:
+    """Plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled distribution
+    differ from the one whose log-probs are computed (no top-k, no top-p, no min_new_tokens, which would suppress
+    EOS). The pad token is suppressed: a young policy does sample it, and a pad inside a response breaks every mask
+    built from padding. (The log-probs keep pad in their softmax; the SFT model never learned to produce pad, so its
+    probability, and the difference, is negligible.)"""
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
+                            top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            suppress_tokens=[tokenizer.pad_token_id])
+
+def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -> list:
+    """This rank's share of an iteration's prompts. The prompts are shuffled once per pass over the data set, by a
+    seed of that pass, so that a resumed run draws the prompts an uninterrupted one would have."""
+    batches_per_pass = len(prompts) // args.batch_size
+    order = np.random.default_rng([args.seed, iteration // batches_per_pass]).permutation(len(prompts))
+    first = (iteration % batches_per_pass) * args.batch_size + rank * args.per_device_rollout_batch_size
+    return [prompts[i] for i in order[first : first + args.per_device_rollout_batch_size]]
+
+def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
+                     iteration: int, start: int) -> torch.Tensor:
+    """A response to each prompt, [B, P] -> [B, max_new_tokens] padded on the right: `sample` (synced under ZeRO-3
+    without gathered weights), or the hybrid engine's generate. Non-finite probabilities stop the run with one line,
+    and so does a hybrid engine that fails at its first generation."""
+    actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
+    synced = actor.zero_optimization_stage() == 3 and not weights_gathered
+    try:
+        responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
+                                          generation_config=generation_config)[:, prompt_ids.shape[1] :] if hybrid \
+            else sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
+    except Exception as error:
+        if "probability tensor contains" in str(error):  # torch.multinomial's "... contains inf, nan or < 0"
+            plumbing.fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while "
+                          f"sampling ({str(error).strip()}); " + ("lower the learning rates" if iteration > start
+                                                else "check --actor-model-name-or-path and --temperature"))
+        if hybrid and iteration == start and not isinstance(error, torch.OutOfMemoryError):  # its first generation
+            plumbing.fail(f"DeepSpeed's hybrid engine failed on {type(actor.module).__name__} ({type(error).__name__}: "
+                          f"{' '.join(str(error).split())}); its layers are transformers 4's (docs/extras.md): drop "
+                          "--enable-hybrid-engine")
+        raise  # a lost rank's error, or any other
+    actor.train()
+    return torch.nn.functional.pad(responses, (0, generation_config.max_new_tokens - responses.shape[1]),
+                                   value=generation_config.pad_token_id)
+
+def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool) -> torch.Tensor:
+    """model.generate(generation_config=config) for a sampling_config, written out: a_t ~ softmax(z), z = logits / tau,
+    token by token with the key-value cache; the same tokens from the same seed (test_ppo), without generate's
+    machinery. [B, P] -> [B, <= max_new_tokens], pad after each EOS; it stops when all have, on every rank if synced."""
+    cache, attention_mask, position_ids, tokens = None, prompt_mask, position_ids_from(prompt_mask), prompt_ids
+    running, responses = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []  # no EOS yet
+    for _ in range(config.max_new_tokens):
+        out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        z = out.logits[:, -1].float() / config.temperature
+        z[:, config.suppress_tokens] = -math.inf
+        tokens = torch.where(running.unsqueeze(1), torch.multinomial(torch.softmax(z, dim=-1), 1), config.pad_token_id)
+        responses.append(tokens)
+        running &= tokens.squeeze(1) != config.eos_token_id
+        # Synced (ZeRO-3 all-gathers each layer for every token), a rank that stopped alone would leave others waiting.
+        if (plumbing.sum_over_ranks({"running": running.sum()})["running"] if synced else running.sum()) == 0:
+            break
+        cache = getattr(out, "cache", None)
+        if cache is None:  # a model that ignores transformers' `cache` would go on from the last token alone
+            plumbing.fail(f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` "
+                          "argument, which ppo.py samples with: upgrade transformers, or use one of its own models")
+        attention_mask, position_ids = torch.cat([attention_mask, torch.ones_like(tokens)], 1), position_ids[:, -1:] + 1
+    return torch.cat(responses, dim=1)
+
+def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
+    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, the results joined along
+    the rows: a scoring pass over the rollout batch needs the memory of one micro-batch."""
+    return torch.cat([function(model, sequences[i : i + size], attention_mask[i : i + size], *args)
+                      for i in range(0, len(sequences), size)])
+
+def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                      temperature: float) -> torch.Tensor:
+    """log pi(a_t | s_t) of every response token, at the sampling temperature: [B, P + R] sequences -> [B, R]."""
+    logits = response_logits(model, sequences, attention_mask, prompt_len)
+    return rlhf_math.logprobs_from_logits(logits, sequences[:, prompt_len:], temperature)
+
+def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The logits that predict each response token: [B, P + R] sequences -> [B, R, V].
+
+    The logits at position P - 1 + t predict the token at position P + t, so they are read one position earlier; only
+    positions P - 1 to P + R - 1 go through the output layer (logits_to_keep), none of the prompt's before them."""
+    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                use_cache=False, logits_to_keep=sequences.shape[1] - prompt_len + 1)
+    return out.logits[:, :-1]
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+def critic_values(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
+                  std: float) -> torch.Tensor:
+    """V(s_t) for every response token: the critic's head at position P - 1 + t, the last token of the state before
+    a_t, on the normalized reward scale ((output - mean) / std, as the scores). [B, P + R] -> [B, R]."""
+    return (head_at_every_position(model, sequences, attention_mask)[:, prompt_len - 1 : -1] - mean) / std
+
+def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence classifier's scalar head applied at every position instead of only the last: [B, T] -> [B, T]."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=sequences, attention_mask=attention_mask,
+                      position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
+                  std: float, tokenizer=None, reward_tokenizer=None) -> torch.Tensor:
+    """The normalized score (r(x, y) - mean) / std of each prompt + response: the reward model's head at the last
+    in-mask response position (the EOS, or the last token of a response cut at the length limit), where
+    rlhf_math.per_token_rewards lands it. [B, P + R] -> [B]. A reward model with a tokenizer of its own
+    (reward_tokenizer) reads the sequences re-tokenized (reward_model_inputs)."""
+    sequences, attention_mask, prompt_len = reward_model_inputs(sequences, attention_mask, prompt_len, tokenizer,
+                                                                reward_tokenizer)
+    token_scores = head_at_every_position(model, sequences, attention_mask)[:, prompt_len:]
+    last = attention_mask[:, prompt_len:].sum(dim=1) - 1
+    return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std
 
 def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
                         reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -396,6 +628,19 @@ def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> t
     mean = total / n
     return mean.float(), ((total_squares - n * mean**2).clamp(min=0) / (n - 1)).float()
 
+def last_valid_batch(rollout: dict, P: int, valid: torch.Tensor, last_valid, iteration: int, rank: int, args: Args):
+    """The batch the update trains on and its prompt length: (rollout, P) when a response of this rank's rollout is
+    valid (valid [B]). When none is there is nothing to learn from, and DeepSpeed-Chat's fallback trains on the last
+    valid batch again (last_valid, as this returned it before; sampled by an older policy, so its first ratio is not
+    1). Stops the run when there is none."""
+    if valid.any():
+        return rollout, P
+    if last_valid is None:
+        plumbing.fail(f"iteration {iteration}: no response has --min-response-tokens {args.min_response_tokens} "
+                      "real tokens, and there is no earlier batch to reuse; check the SFT model and max_new_tokens")
+    print(f"warning: rank {rank}, iteration {iteration}: every response is invalid; reusing the last valid batch")
+    return last_valid
+
 def tokens_per_mini_batch(mask: torch.Tensor, mini_batches: list[torch.Tensor]) -> torch.Tensor:
     """The in-mask tokens of each mini-batch, all ranks together: [num_mini_batches]. The update mask is [B, R];
     each mini-batch holds row indices."""
@@ -426,127 +671,56 @@ def adapted_kl_coef(kl_coef: float, kl: torch.Tensor, valid: torch.Tensor, args:
         return kl_coef
     return rlhf_math.adaptive_kl_coef(kl_coef, kl_sum / num_valid, args.target_kl, args.kl_horizon, args.batch_size)
 
-def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -> list:
-    """This rank's share of an iteration's prompts. The prompts are shuffled once per pass over the data set, by a
-    seed of that pass, so that a resumed run draws the prompts an uninterrupted one would have."""
-    batches_per_pass = len(prompts) // args.batch_size
-    order = np.random.default_rng([args.seed, iteration // batches_per_pass]).permutation(len(prompts))
-    first = (iteration % batches_per_pass) * args.batch_size + rank * args.per_device_rollout_batch_size
-    return [prompts[i] for i in order[first : first + args.per_device_rollout_batch_size]]
-
-def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
-    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, the results joined along
-    the rows: a scoring pass over the rollout batch needs the memory of one micro-batch."""
-    return torch.cat([function(model, sequences[i : i + size], attention_mask[i : i + size], *args)
-                      for i in range(0, len(sequences), size)])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Checks of the arguments, models and numbers: a mistake stops the run with one line that says what to fix.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def check_args(args: Args) -> None:
-    """Bad flags stop the script here, with a message that names them, before anything is loaded. The ranges are
-    read from the fields' annotations (PositiveInt, Fraction, ...)."""
-    plumbing.check_ranges(args)
-    if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
-        plumbing.fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score "
-                      f"{args.clip_score}]: the score it replaces is clipped to [-clip_score, clip_score]")
-    if args.target_kl is not None and args.kl_coef == 0:
-        plumbing.fail("--target-kl adapts beta by a factor each iteration, which never moves it off --kl-coef 0: "
-                      "give --kl-coef a positive start")
-    if args.only_optimize_lora and not args.actor_lora_dim:
-        plumbing.fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim "
-                      "for the critic's)")
-    if args.align_overflow and args.dtype != "fp16":
-        plumbing.fail("--align-overflow is for --dtype fp16 (a GPU's loss-scaled training); bf16 and fp32 do not "
-                      "overflow")
-    if args.enable_hybrid_engine and (args.actor_lora_dim or args.critic_lora_dim):
-        plumbing.fail("--enable-hybrid-engine does not support LoRA: DeepSpeed's hybrid engine knows only "
-                      "DeepSpeed-Chat's own LoRA layers, not peft's")
-    if args.enable_hybrid_engine and get_accelerator().device_name() == "cpu":
-        plumbing.fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
-    if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
-        plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
-
-def check_models(args: Args, is_main: bool):
-    """The three model folders and their tokenizers, checked before any model loads. Returns the actor's tokenizer,
-    which pads prompts on the left (its pad token must not be EOS: stage 1 makes sure), the reward model's when it
-    is another (else None), and the critic's folder. Prompt + response must fit the model's positions."""
-    plumbing.check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
-    plumbing.check_model_folder(args.reward_model_name_or_path,
-                                "run reward_model.py first or check --reward-model-name-or-path")
-    tokenizer = plumbing.load_tokenizer(args.actor_model_name_or_path, "check --actor-model-name-or-path",
-                                        args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        plumbing.fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
-                      "a model saved by sft.py has one")
-    check_not_saved_by_ppo(args.reward_model_name_or_path, "--reward-model-name-or-path")
-    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model_name_or_path, "check "
-                                                     "--reward-model-name-or-path", tokenizer, args.trust_remote_code)
-    # The critic reads the actor's tokens: a reward model that reads others cannot be its start.
-    critic_path = args.critic_model_name_or_path or \
-        (args.actor_model_name_or_path if reward_tokenizer else args.reward_model_name_or_path)
-    plumbing.check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
-    for path, flag, path_tokenizer in [(args.actor_model_name_or_path, "actor", tokenizer), (critic_path, "critic",
-                                       tokenizer), (args.reward_model_name_or_path, "reward", reward_tokenizer)]:
-        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check --{flag}-model-name-or-path",
-                                  args.trust_remote_code)
-    # The reference and the critic (and the reward model, in the actor's tokens) read the ids the actor samples.
-    readers = {"--reward-model-name-or-path": args.reward_model_name_or_path} if reward_tokenizer is None else {}
-    plumbing.check_embedding_rows("--actor-model-name-or-path", args.actor_model_name_or_path,
-                                  {**readers, "--critic-model-name-or-path": critic_path}, args.trust_remote_code)
-    if reward_tokenizer and is_main:
-        print("the reward model has another tokenizer than the actor: every prompt + response is decoded to text and "
-              f"tokenized again for it; the critic starts from {critic_path!r}")
-    actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
-    if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
-        plumbing.fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer "
-                      f"than the model's {actor_config.max_position_embeddings} positions; lower them")
-    return tokenizer, reward_tokenizer, critic_path
-
-def check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration: int, start: int) -> None:
-    """A forward pass that gives inf or NaN (a model broken by its weights or its precision) stops the run before it
-    can reach the rewards."""
-    in_mask = response_mask.bool()
-    for name, x in [("actor's log-probs", logprobs[in_mask]), ("reference's log-probs", ref_logprobs[in_mask]),
-                    ("critic's values", values[in_mask]), ("reward model's scores", scores)]:
-        if not torch.isfinite(x).all():
-            plumbing.fail(f"iteration {iteration}: the {name} are not finite (inf or nan); check that model, or use "
-                          "--dtype fp32" + ("" if iteration == start else ", or lower the learning rates"))
-
-def reuse_last_valid_rollout(last_valid_rollout, iteration: int, rank: int, args: Args):
-    """When every response of a rank's batch is invalid there is nothing to learn from: DeepSpeed-Chat's fallback is
-    to train on the last valid batch again (sampled by an older policy, so its first ratio is not 1). Returns that
-    batch and its prompt length; stops the run when there is none."""
-    if last_valid_rollout is None:
-        plumbing.fail(f"iteration {iteration}: no response has --min-response-tokens {args.min_response_tokens} "
-                      "real tokens, and there is no earlier batch to reuse; check the SFT model and max_new_tokens")
-    print(f"warning: rank {rank}, iteration {iteration}: every response is invalid; reusing the last valid batch")
-    return last_valid_rollout
-
-def check_update(new_logprobs, mb: dict, pg_loss, vf_loss, first_step: bool, iteration: int, args: Args) -> None:
-    """A NaN loss stops the run instead of training on it. And before the first optimizer step (first_step) the
-    policy is the one that sampled: in fp32 every log-prob equals the rollout's, bit for bit, on one rank or several,
-    ZeRO-3 included. If not, the update computes them differently (dropout on, another temperature, a
-    nondeterministic kernel)."""
-    mask = mb["mask"].bool()
-    if first_step and args.dtype == "fp32" and not torch.equal(new_logprobs[mask], mb["logprobs"][mask]):
-        gap = (new_logprobs - mb["logprobs"])[mask].abs().max().item()
-        plumbing.fail(f"iteration {iteration}: before the first optimizer step the PPO ratio is not exactly 1 "
-                      f"(log-probs differ from the rollout's by up to {gap:.2e}): is dropout on (--disable-dropout) "
-                      "or the model nondeterministic?")
-    for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:
-        if not torch.isfinite(loss):
-            plumbing.fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise --kl-coef "
-                          "or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The four DeepSpeed engines, as DeepSpeed-Chat's RLHF engine builds them: one config and one ZeRO stage each.
 # ---------------------------------------------------------------------------------------------------------------
+def zero_stages(args: Args) -> dict[str, int]:
+    """Each model's ZeRO stage. The reference follows the actor's and the reward model the critic's, but only ZeRO-3 is
+    worth anything to a model without gradients or optimizer (it shards the parameters), so both are ZeRO-3 or plain
+    (DeepSpeed-Chat's rule). Their own offload keeps their parameters in CPU memory, which needs ZeRO-3."""
+    return {"actor": args.actor_zero_stage, "critic": args.critic_zero_stage,
+            "reference": 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0,
+            "reward": 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0}
+
+def build_engines(args: Args, critic_path: str):
+    """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
+    critic and reward model have a 1-label score head, and no weight is inf or NaN."""
+    actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
+    if args.enable_hybrid_engine:  # DeepSpeed-Chat's, GPU only: the actor generates on inference kernels, with its
+        # own tensor parallelism and key-value cache, swapped in and out between eval() and train()
+        actor_ds_config["hybrid_engine"] = {
+            "enabled": True, "max_out_tokens": args.max_prompt_len + args.max_new_tokens,
+            "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
+            "pin_parameters": not args.unpin_actor_parameters,
+            "tp_gather_partition_size": args.tp_gather_partition_size}
+    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
+                        actor_ds_config, args, args.actor_learning_rate, args.actor_gradient_checkpointing,
+                        args.actor_lora_dim, args.actor_lora_learning_rate)
+    # With only the actor's adapters trained, the actor with its adapters off is the SFT model: it is the reference
+    # (plumbing.adapters_disabled), and a whole model copy is never loaded.
+    reference = actor if args.only_optimize_lora else init_engine(
+        AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
+        deepspeed_config(zero_stages(args)["reference"], False, args.offload_reference_model, args), args)
+    critic = init_engine(AutoModelForSequenceClassification, critic_path, "--critic-model-name-or-path",
+                         deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
+                         args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
+                         args.critic_lora_learning_rate)
+    reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
+                         "--reward-model-name-or-path",
+                         deepspeed_config(zero_stages(args)["reward"], False, args.offload_reward_model, args), args)
+    check_score_head(reward.module, args.reward_model_name_or_path, "--reward-model-name-or-path")
+    check_score_head(critic.module, critic_path, "--critic-model-name-or-path")
+    # Each weights file is checked once: the reference (and the EMA) load the actor's, and the critic, unless
+    # --critic-model-name-or-path is set, the reward model's.
+    plumbing.check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
+    plumbing.check_finite_weights(reward.module,
+                                  f"model {args.reward_model_name_or_path!r} (--reward-model-name-or-path)")
+    if critic_path != args.reward_model_name_or_path:
+        plumbing.check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
+    ema = init_ema(actor, args) if args.enable_ema else None
+    return actor, reference, critic, reward, ema
+
 def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
@@ -617,6 +791,71 @@ def check_score_head(model, path: str, flag: str) -> None:
         plumbing.fail(f"{path!r} must be a 1-label AutoModelForSequenceClassification with a linear `score` head, as "
                       f"reward_model.py saves it (it has {model.config.num_labels} labels); check {flag}")
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks of the arguments, models and numbers: a mistake stops the run with one line that says what to fix.
+# ---------------------------------------------------------------------------------------------------------------
+def check_args(args: Args) -> None:
+    """Bad flags stop the script here, with a message that names them, before anything is loaded. The ranges are
+    read from the fields' annotations (PositiveInt, Fraction, ...)."""
+    plumbing.check_ranges(args)
+    if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
+        plumbing.fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score "
+                      f"{args.clip_score}]: the score it replaces is clipped to [-clip_score, clip_score]")
+    if args.target_kl is not None and args.kl_coef == 0:
+        plumbing.fail("--target-kl adapts beta by a factor each iteration, which never moves it off --kl-coef 0: "
+                      "give --kl-coef a positive start")
+    if args.only_optimize_lora and not args.actor_lora_dim:
+        plumbing.fail("--only-optimize-lora needs the actor's adapters: set --actor-lora-dim (and --critic-lora-dim "
+                      "for the critic's)")
+    if args.align_overflow and args.dtype != "fp16":
+        plumbing.fail("--align-overflow is for --dtype fp16 (a GPU's loss-scaled training); bf16 and fp32 do not "
+                      "overflow")
+    if args.enable_hybrid_engine and (args.actor_lora_dim or args.critic_lora_dim):
+        plumbing.fail("--enable-hybrid-engine does not support LoRA: DeepSpeed's hybrid engine knows only "
+                      "DeepSpeed-Chat's own LoRA layers, not peft's")
+    if args.enable_hybrid_engine and get_accelerator().device_name() == "cpu":
+        plumbing.fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
+    if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
+        plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
+
+def check_models(args: Args, is_main: bool):
+    """The three model folders and their tokenizers, checked before any model loads. Returns the actor's tokenizer,
+    which pads prompts on the left (its pad token must not be EOS: stage 1 makes sure), the reward model's when it
+    is another (else None), and the critic's folder. Prompt + response must fit the model's positions."""
+    plumbing.check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
+    plumbing.check_model_folder(args.reward_model_name_or_path,
+                                "run reward_model.py first or check --reward-model-name-or-path")
+    tokenizer = plumbing.load_tokenizer(args.actor_model_name_or_path, "check --actor-model-name-or-path",
+                                        args.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        plumbing.fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
+                      "a model saved by sft.py has one")
+    check_not_saved_by_ppo(args.reward_model_name_or_path, "--reward-model-name-or-path")
+    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model_name_or_path, "check "
+                                                     "--reward-model-name-or-path", tokenizer, args.trust_remote_code)
+    # The critic reads the actor's tokens: a reward model that reads others cannot be its start.
+    critic_path = args.critic_model_name_or_path or \
+        (args.actor_model_name_or_path if reward_tokenizer else args.reward_model_name_or_path)
+    plumbing.check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
+    for path, flag, path_tokenizer in [(args.actor_model_name_or_path, "actor", tokenizer), (critic_path, "critic",
+                                       tokenizer), (args.reward_model_name_or_path, "reward", reward_tokenizer)]:
+        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check --{flag}-model-name-or-path",
+                                  args.trust_remote_code)
+    # The reference and the critic (and the reward model, in the actor's tokens) read the ids the actor samples.
+    readers = {"--reward-model-name-or-path": args.reward_model_name_or_path} if reward_tokenizer is None else {}
+    plumbing.check_embedding_rows("--actor-model-name-or-path", args.actor_model_name_or_path,
+                                  {**readers, "--critic-model-name-or-path": critic_path}, args.trust_remote_code)
+    if reward_tokenizer and is_main:
+        print("the reward model has another tokenizer than the actor: every prompt + response is decoded to text and "
+              f"tokenized again for it; the critic starts from {critic_path!r}")
+    actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
+    if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
+        plumbing.fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer "
+                      f"than the model's {actor_config.max_position_embeddings} positions; lower them")
+    return tokenizer, reward_tokenizer, critic_path
+
 def check_not_saved_by_ppo(path: str, flag: str) -> None:
     """A folder that ppo.py saved (an actor or a critic: its training_run.json says so) is no reward model, though a
     critic loads as one: its value head would become the reward."""
@@ -624,100 +863,54 @@ def check_not_saved_by_ppo(path: str, flag: str) -> None:
         plumbing.fail(f"{flag} {path!r} was saved by ppo.py (a trained actor or critic, says its {plumbing.RECORD}), "
                       "not by reward_model.py: a critic's values are no reward; give reward_model.py's output folder")
 
-def zero_stages(args: Args) -> dict[str, int]:
-    """Each model's ZeRO stage. The reference follows the actor's and the reward model the critic's, but only ZeRO-3 is
-    worth anything to a model without gradients or optimizer (it shards the parameters), so both are ZeRO-3 or plain
-    (DeepSpeed-Chat's rule). Their own offload keeps their parameters in CPU memory, which needs ZeRO-3."""
-    return {"actor": args.actor_zero_stage, "critic": args.critic_zero_stage,
-            "reference": 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0,
-            "reward": 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0}
+def check_normalization(config, actor_identity: str, args: Args) -> None:
+    """reward_model.py measured reward_mean and reward_std on one policy's responses, sampled at one temperature and
+    length (its config's reward_normalization). With another actor or sampling the scores do not start at mean 0 and
+    std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so. actor_identity: the actor folder's
+    plumbing.folder_identity, as start_run read it. A config without reward_std (not reward_model.py's): said too."""
+    measured = getattr(config, "reward_normalization", None)
+    if measured is not None and not isinstance(measured, dict):
+        measured = {}  # not reward_model.py's: every setting below is said to differ
+    if dist.get_rank() == 0 and not hasattr(config, "reward_std"):
+        print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
+              "are used unnormalized")
+    if measured is None or dist.get_rank() != 0:
+        return
+    this = {"policy_identity": actor_identity, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured.get('policy')!r})"
+              if key == "policy_identity" else
+              f"--{key.replace('_', '-')} {value!r} (measured with {measured.get(key)!r})"
+              for key, value in this.items() if measured.get(key) != value]
+    if differ:
+        print(f"warning: the reward model's reward_mean and reward_std were measured on other responses: "
+              f"{'; '.join(differ)}. The normalized scores will not start at mean 0 and std 1; run reward_model.py "
+              "with --policy-model-name-or-path, --temperature and --max-new-tokens of this run to measure them anew")
 
-def build_engines(args: Args, critic_path: str):
-    """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
-    critic and reward model have a 1-label score head, and no weight is inf or NaN."""
-    actor_ds_config = deepspeed_config(args.actor_zero_stage, True, args.offload, args)
-    if args.enable_hybrid_engine:  # DeepSpeed-Chat's, GPU only: the actor generates on inference kernels, with its
-        # own tensor parallelism and key-value cache, swapped in and out between eval() and train()
-        actor_ds_config["hybrid_engine"] = {
-            "enabled": True, "max_out_tokens": args.max_prompt_len + args.max_new_tokens,
-            "inference_tp_size": args.inference_tp_size, "release_inference_cache": args.release_inference_cache,
-            "pin_parameters": not args.unpin_actor_parameters,
-            "tp_gather_partition_size": args.tp_gather_partition_size}
-    actor = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
-                        actor_ds_config, args, args.actor_learning_rate, args.actor_gradient_checkpointing,
-                        args.actor_lora_dim, args.actor_lora_learning_rate)
-    # With only the actor's adapters trained, the actor with its adapters off is the SFT model: it is the reference
-    # (plumbing.adapters_disabled), and a whole model copy is never loaded.
-    reference = actor if args.only_optimize_lora else init_engine(
-        AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
-        deepspeed_config(zero_stages(args)["reference"], False, args.offload_reference_model, args), args)
-    critic = init_engine(AutoModelForSequenceClassification, critic_path, "--critic-model-name-or-path",
-                         deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
-                         args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
-                         args.critic_lora_learning_rate)
-    reward = init_engine(AutoModelForSequenceClassification, args.reward_model_name_or_path,
-                         "--reward-model-name-or-path",
-                         deepspeed_config(zero_stages(args)["reward"], False, args.offload_reward_model, args), args)
-    check_score_head(reward.module, args.reward_model_name_or_path, "--reward-model-name-or-path")
-    check_score_head(critic.module, critic_path, "--critic-model-name-or-path")
-    # Each weights file is checked once: the reference (and the EMA) load the actor's, and the critic, unless
-    # --critic-model-name-or-path is set, the reward model's.
-    plumbing.check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
-    plumbing.check_finite_weights(reward.module,
-                                  f"model {args.reward_model_name_or_path!r} (--reward-model-name-or-path)")
-    if critic_path != args.reward_model_name_or_path:
-        plumbing.check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
-    ema = init_ema(actor, args) if args.enable_ema else None
-    return actor, reference, critic, reward, ema
+def check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration: int, start: int) -> None:
+    """A forward pass that gives inf or NaN (a model broken by its weights or its precision) stops the run before it
+    can reach the rewards."""
+    in_mask = response_mask.bool()
+    for name, x in [("actor's log-probs", logprobs[in_mask]), ("reference's log-probs", ref_logprobs[in_mask]),
+                    ("critic's values", values[in_mask]), ("reward model's scores", scores)]:
+        if not torch.isfinite(x).all():
+            plumbing.fail(f"iteration {iteration}: the {name} are not finite (inf or nan); check that model, or use "
+                          "--dtype fp32" + ("" if iteration == start else ", or lower the learning rates"))
 
-def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool) -> torch.Tensor:
-    """model.generate(generation_config=config) for a sampling_config, written out: a_t ~ softmax(z), z = logits / tau,
-    token by token with the key-value cache; the same tokens from the same seed (test_ppo), without generate's
-    machinery. [B, P] -> [B, <= max_new_tokens], pad after each EOS; it stops when all have, on every rank if synced."""
-    cache, attention_mask, position_ids, tokens = None, prompt_mask, position_ids_from(prompt_mask), prompt_ids
-    running, responses = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []  # no EOS yet
-    for _ in range(config.max_new_tokens):
-        out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                    use_cache=True, logits_to_keep=1)
-        z = out.logits[:, -1].float() / config.temperature
-        z[:, config.suppress_tokens] = -math.inf
-        tokens = torch.where(running.unsqueeze(1), torch.multinomial(torch.softmax(z, dim=-1), 1), config.pad_token_id)
-        responses.append(tokens)
-        running &= tokens.squeeze(1) != config.eos_token_id
-        # Synced (ZeRO-3 all-gathers each layer for every token), a rank that stopped alone would leave others waiting.
-        if (plumbing.sum_over_ranks({"running": running.sum()})["running"] if synced else running.sum()) == 0:
-            break
-        cache = getattr(out, "cache", None)
-        if cache is None:  # a model that ignores transformers' `cache` would go on from the last token alone
-            plumbing.fail(f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` "
-                          "argument, which ppo.py samples with: upgrade transformers, or use one of its own models")
-        attention_mask, position_ids = torch.cat([attention_mask, torch.ones_like(tokens)], 1), position_ids[:, -1:] + 1
-    return torch.cat(responses, dim=1)
-
-def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
-                     iteration: int, start: int) -> torch.Tensor:
-    """A response to each prompt, [B, P] -> [B, max_new_tokens] padded on the right: `sample` (synced under ZeRO-3
-    without gathered weights), or the hybrid engine's generate. Non-finite probabilities stop the run with one line,
-    and so does a hybrid engine that fails at its first generation."""
-    actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
-    synced = actor.zero_optimization_stage() == 3 and not weights_gathered
-    try:
-        responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
-                                          generation_config=generation_config)[:, prompt_ids.shape[1] :] if hybrid \
-            else sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
-    except Exception as error:
-        if "probability tensor contains" in str(error):  # torch.multinomial's "... contains inf, nan or < 0"
-            plumbing.fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while "
-                          f"sampling ({str(error).strip()}); " + ("lower the learning rates" if iteration > start
-                                                else "check --actor-model-name-or-path and --temperature"))
-        if hybrid and iteration == start and not isinstance(error, torch.OutOfMemoryError):  # its first generation
-            plumbing.fail(f"DeepSpeed's hybrid engine failed on {type(actor.module).__name__} ({type(error).__name__}: "
-                          f"{' '.join(str(error).split())}); its layers are transformers 4's (docs/extras.md): drop "
-                          "--enable-hybrid-engine")
-        raise  # a lost rank's error, or any other
-    actor.train()
-    return torch.nn.functional.pad(responses, (0, generation_config.max_new_tokens - responses.shape[1]),
-                                   value=generation_config.pad_token_id)
+def check_update(new_logprobs, mb: dict, pg_loss, vf_loss, first_step: bool, iteration: int, args: Args) -> None:
+    """A NaN loss stops the run instead of training on it. And before the first optimizer step (first_step) the
+    policy is the one that sampled: in fp32 every log-prob equals the rollout's, bit for bit, on one rank or several,
+    ZeRO-3 included. If not, the update computes them differently (dropout on, another temperature, a
+    nondeterministic kernel)."""
+    mask = mb["mask"].bool()
+    if first_step and args.dtype == "fp32" and not torch.equal(new_logprobs[mask], mb["logprobs"][mask]):
+        gap = (new_logprobs - mb["logprobs"])[mask].abs().max().item()
+        plumbing.fail(f"iteration {iteration}: before the first optimizer step the PPO ratio is not exactly 1 "
+                      f"(log-probs differ from the rollout's by up to {gap:.2e}): is dropout on (--disable-dropout) "
+                      "or the model nondeterministic?")
+    for name, loss in [("loss/policy_avg", pg_loss), ("loss/value_avg", vf_loss)]:
+        if not torch.isfinite(loss):
+            plumbing.fail(f"iteration {iteration}: {name} is {loss.item()}; lower the learning rates, raise --kl-coef "
+                          "or use --dtype fp32 (bf16 log-probs are too coarse for the PPO ratio)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -737,34 +930,6 @@ RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gra
                   "num_iterations"]
 
 STATE_TYPES = {"iteration": int, "kl_coef": (int, float), "actor": dict, "critic": dict, "args": dict}
-
-def read_state(checkpoint: str) -> dict | None:
-    """A checkpoint's state.json, or None if it does not read or a value in it is not of its type (STATE_TYPES; a
-    file read back from the output folder is untrusted)."""
-    with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint, "state.json")) as f:
-        state = json.load(f)
-        if isinstance(state, dict) and all(isinstance(state.get(key), kind) and not isinstance(state[key], bool)
-                                           for key, kind in STATE_TYPES.items()) \
-                and isinstance(state.get("run_name", ""), str) and math.isfinite(state["kl_coef"]):
-            return state
-    return None
-
-def state_problem(checkpoint: str, state: dict, actor, critic, args: Args) -> str | None:
-    """Why a checkpoint's state (read_state's) cannot continue this run, or None: its iteration must be one of the
-    run's, the optimizer's and the scheduler's states those of the engines (plumbing.same_layout), each rank's last
-    valid batch a rollout's tensors."""
-    if not 1 <= state["iteration"] <= args.num_iterations:
-        return f"its iteration {state['iteration']} is not one of the run's 1 to {args.num_iterations}"
-    for name, engine in [("actor", actor), ("critic", critic)]:
-        if not plumbing.same_layout(state[name], {"adam_step": 0, "scheduler": engine.lr_scheduler.state_dict(),
-                                                  "loss_scale": plumbing.loss_scale(engine)}):
-            return f"its state.json's {name!r} is not the optimizer and scheduler state of this run's {name}"
-    for file in os.listdir(checkpoint):
-        if file.startswith("last_valid_batch_rank"):
-            with safetensors.safe_open(os.path.join(checkpoint, file), "pt") as f:
-                if set(f.keys()) != set(LAST_VALID_BATCH):
-                    return f"{file} does not hold a rollout's tensors"
-    return None
 
 def start_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads (plumbing.claim_output_dir), and the run they lead
@@ -821,6 +986,17 @@ def start_run(args: Args) -> dict:
         metrics_file = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
     return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints, "inputs": identities}
 
+def read_state(checkpoint: str) -> dict | None:
+    """A checkpoint's state.json, or None if it does not read or a value in it is not of its type (STATE_TYPES; a
+    file read back from the output folder is untrusted)."""
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint, "state.json")) as f:
+        state = json.load(f)
+        if isinstance(state, dict) and all(isinstance(state.get(key), kind) and not isinstance(state[key], bool)
+                                           for key, kind in STATE_TYPES.items()) \
+                and isinstance(state.get("run_name", ""), str) and math.isfinite(state["kl_coef"]):
+            return state
+    return None
+
 def metrics_file_of(record: dict, run_name: str) -> str:
     """The metrics.jsonl a resumed run continues (and rewrites, up to its checkpoint): the one the folder's record
     names if that is the run's (plumbing.run_metrics_file), else, said, a new one in runs/RUN_NAME here."""
@@ -830,48 +1006,6 @@ def metrics_file_of(record: dict, run_name: str) -> str:
         print(f"the run's record names {record.get('metrics_file')!r} as its metrics file, which is no "
               f"runs/{run_name}/metrics.jsonl file: left alone; the metrics go to {here}")
     return named or here
-
-def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_valid_rollout, run_name: str,
-                    args: Args) -> None:
-    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
-    EMA's weights), the iteration, the KL coefficient and each rank's last valid batch (for reuse_last_valid_rollout),
-    written whole or not at all (plumbing.commit_checkpoint). Every rank takes part (ZeRO gathers) and writes its
-    batch; rank 0 writes the rest, and removes an earlier run's checkpoints."""
-    is_main = dist.get_rank() == 0
-    checkpoint_dir = os.path.join(args.output_dir, "resume")
-    path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
-    if is_main:  # before this run's own: their space is free, and a failed write names only this run's checkpoint
-        plumbing.remove_earlier_runs(checkpoint_dir, run_name, read_state)
-    try:
-        state = {"iteration": iteration, "kl_coef": kl_coef, "args": asdict(args), "run_name": run_name,
-                 "actor": plumbing.save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
-                 "critic": plumbing.save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
-        if ema is not None:
-            plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
-        rollout, P = last_valid_rollout
-        os.makedirs(path + ".tmp", exist_ok=True)
-        safetensors.torch.save_file({**{k: rollout[k].cpu().contiguous() for k in LAST_VALID_BATCH[:-1]},
-                                     "P": torch.tensor(P)},
-                                    os.path.join(path + ".tmp", f"last_valid_batch_rank{dist.get_rank()}.safetensors"))
-        dist.barrier()  # every rank's batch is written before rank 0 commits
-        if is_main:
-            plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
-            plumbing.commit_checkpoint(path)
-    except plumbing.WRITE_ERRORS as error:
-        kept = plumbing.complete_checkpoints(checkpoint_dir)
-        plumbing.stop_after_failed_write(error, path + ".tmp", f"the checkpoint {path!r}", f"--resume continues from "
-                                         f"{kept[0]!r}" if kept else "no checkpoint is complete yet")
-
-def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) -> None:
-    """The actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N, after every --snapshot-every iterations
-    and the last (N counts them); an earlier run's snapshots go now."""
-    if not args.snapshot_every or (iteration % args.snapshot_every and iteration != args.num_iterations):
-        return
-    snapshots = os.path.join(args.output_dir, "snapshots")
-    if dist.get_rank() == 0:
-        plumbing.remove_earlier_runs(snapshots, saved_by["run_name"], plumbing.read_record)
-    plumbing.save_engine_folder(actor, tokenizer, os.path.join(snapshots, f"iteration_{iteration}"),
-                                {**saved_by, "iteration": iteration, "finished": False}, merge_lora=True)
 
 def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device):
     """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
@@ -902,8 +1036,67 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
               + (f"{left} iterations left" if left else "no iteration left: saving the actor and the critic"))
     batch_file = os.path.join(resume_dir, f"last_valid_batch_rank{dist.get_rank()}.safetensors")
     batch = safetensors.torch.load_file(batch_file, device=str(device)) if os.path.exists(batch_file) else None
-    last_valid_rollout = None if batch is None else ({k: v for k, v in batch.items() if k != "P"}, int(batch["P"]))
-    return state["iteration"], state["kl_coef"], last_valid_rollout
+    last_valid = None if batch is None else ({k: v for k, v in batch.items() if k != "P"}, int(batch["P"]))
+    return state["iteration"], state["kl_coef"], last_valid
+
+def state_problem(checkpoint: str, state: dict, actor, critic, args: Args) -> str | None:
+    """Why a checkpoint's state (read_state's) cannot continue this run, or None: its iteration must be one of the
+    run's, the optimizer's and the scheduler's states those of the engines (plumbing.same_layout), each rank's last
+    valid batch a rollout's tensors."""
+    if not 1 <= state["iteration"] <= args.num_iterations:
+        return f"its iteration {state['iteration']} is not one of the run's 1 to {args.num_iterations}"
+    for name, engine in [("actor", actor), ("critic", critic)]:
+        if not plumbing.same_layout(state[name], {"adam_step": 0, "scheduler": engine.lr_scheduler.state_dict(),
+                                                  "loss_scale": plumbing.loss_scale(engine)}):
+            return f"its state.json's {name!r} is not the optimizer and scheduler state of this run's {name}"
+    for file in os.listdir(checkpoint):
+        if file.startswith("last_valid_batch_rank"):
+            with safetensors.safe_open(os.path.join(checkpoint, file), "pt") as f:
+                if set(f.keys()) != set(LAST_VALID_BATCH):
+                    return f"{file} does not hold a rollout's tensors"
+    return None
+
+def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) -> None:
+    """The actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N, after every --snapshot-every iterations
+    and the last (N counts them); an earlier run's snapshots go now."""
+    if not args.snapshot_every or (iteration % args.snapshot_every and iteration != args.num_iterations):
+        return
+    snapshots = os.path.join(args.output_dir, "snapshots")
+    if dist.get_rank() == 0:
+        plumbing.remove_earlier_runs(snapshots, saved_by["run_name"], plumbing.read_record)
+    plumbing.save_engine_folder(actor, tokenizer, os.path.join(snapshots, f"iteration_{iteration}"),
+                                {**saved_by, "iteration": iteration, "finished": False}, merge_lora=True)
+
+def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_valid, run_name: str,
+                    args: Args) -> None:
+    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
+    EMA's weights), the iteration, the KL coefficient and each rank's last valid batch (for last_valid_batch),
+    written whole or not at all (plumbing.commit_checkpoint). Every rank takes part (ZeRO gathers) and writes its
+    batch; rank 0 writes the rest, and removes an earlier run's checkpoints."""
+    is_main = dist.get_rank() == 0
+    checkpoint_dir = os.path.join(args.output_dir, "resume")
+    path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
+    if is_main:  # before this run's own: their space is free, and a failed write names only this run's checkpoint
+        plumbing.remove_earlier_runs(checkpoint_dir, run_name, read_state)
+    try:
+        state = {"iteration": iteration, "kl_coef": kl_coef, "args": asdict(args), "run_name": run_name,
+                 "actor": plumbing.save_training_state(actor, os.path.join(path + ".tmp", "actor"), is_main),
+                 "critic": plumbing.save_training_state(critic, os.path.join(path + ".tmp", "critic"), is_main)}
+        if ema is not None:
+            plumbing.save_weights(ema, os.path.join(path + ".tmp", "actor_ema"), is_main)
+        rollout, P = last_valid
+        os.makedirs(path + ".tmp", exist_ok=True)
+        safetensors.torch.save_file({**{k: rollout[k].cpu().contiguous() for k in LAST_VALID_BATCH[:-1]},
+                                     "P": torch.tensor(P)},
+                                    os.path.join(path + ".tmp", f"last_valid_batch_rank{dist.get_rank()}.safetensors"))
+        dist.barrier()  # every rank's batch is written before rank 0 commits
+        if is_main:
+            plumbing.write_json(os.path.join(path + ".tmp", "state.json"), state)
+            plumbing.commit_checkpoint(path)
+    except plumbing.WRITE_ERRORS as error:
+        kept = plumbing.complete_checkpoints(checkpoint_dir)
+        plumbing.stop_after_failed_write(error, path + ".tmp", f"the checkpoint {path!r}", f"--resume continues from "
+                                         f"{kept[0]!r}" if kept else "no checkpoint is complete yet")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1015,7 +1208,6 @@ def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer
                           tokenizer.decode(responses[i], skip_special_tokens=True), f"{scores[i].item():+.2f}")
         Console().print(table)
 
-
 def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs, run: dict, args: Args,
                    **columns: torch.Tensor) -> None:
     """--trace-every: on rank 0, one response of its batch position by position, with the loop's own tensors (COLUMNS,
@@ -1057,6 +1249,12 @@ def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs,
 # DeepSpeed-Chat's extras, each off by default and called from one place: an EMA of the actor, InstructGPT's
 # pretraining mix, on a GPU the hybrid engine and fp16 overflow alignment, and LoRA (plumbing.add_lora; docs/extras.md).
 # ---------------------------------------------------------------------------------------------------------------
+def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor | None:
+    """PPO-ptx's text in blocks as long as a rollout's sequences: [blocks, P + R]; None without --unsup-dataset."""
+    return None if args.unsup_dataset is None else plumbing.load_text_blocks(
+        tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
+        args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
+
 def init_ema(actor, args: Args):
     """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation only:
     frozen, ZeRO-3 when the actor is. A plain model (the actor's LoRA adapters are merged into it at every update),
@@ -1068,26 +1266,6 @@ def init_ema(actor, args: Args):
                       ema_ds_config, args)
     update_ema(ema, actor, 0.0)
     return ema
-
-def update_ema(ema, actor, decay: float) -> None:
-    """ema = decay * ema + (1 - decay) * actor for every weight (rlhf_math.ema_update), from the actor's fp32 master
-    weights, each LoRA adapter merged into the weight it adapts (plumbing.merged_master_weight: the average of the
-    merged weights, not the product of averaged factors). Under ZeRO-3 the EMA's new value goes back to the ranks'
-    partitions (modifier_rank). Nothing without an EMA (None)."""
-    if ema is None:
-        return
-    with torch.no_grad():
-        for name, ema_param in ema.module.named_parameters():
-            value = plumbing.merged_master_weight(actor, name)
-            with deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0,
-                                                   enabled=ema.zero_optimization_stage() == 3):
-                ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, value.to(ema_param.device), decay))
-
-def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor | None:
-    """PPO-ptx's text in blocks as long as a rollout's sequences: [blocks, P + R]; None without --unsup-dataset."""
-    return None if args.unsup_dataset is None else plumbing.load_text_blocks(
-        tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
-        args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
 
 def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict, iteration: int, args: Args):
     """The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain [log pi(x)], so the
@@ -1138,195 +1316,20 @@ def aligned_overflow(actor, critic, enabled: bool):
         for obj, name in patched:
             delattr(obj, name)
 
+def update_ema(ema, actor, decay: float) -> None:
+    """ema = decay * ema + (1 - decay) * actor for every weight (rlhf_math.ema_update), from the actor's fp32 master
+    weights, each LoRA adapter merged into the weight it adapts (plumbing.merged_master_weight: the average of the
+    merged weights, not the product of averaged factors). Under ZeRO-3 the EMA's new value goes back to the ranks'
+    partitions (modifier_rank). Nothing without an EMA (None)."""
+    if ema is None:
+        return
+    with torch.no_grad():
+        for name, ema_param in ema.module.named_parameters():
+            value = plumbing.merged_master_weight(actor, name)
+            with deepspeed.zero.GatheredParameters(ema_param, modifier_rank=0,
+                                                   enabled=ema.zero_optimization_stage() == 3):
+                ema_param.data.copy_(rlhf_math.ema_update(ema_param.data, value.to(ema_param.device), decay))
+
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_args(args)
-    device = plumbing.init_distributed(args, zero3=3 in zero_stages(args).values())
-    rank, is_main = dist.get_rank(), dist.get_rank() == 0
-
-    # Batch arithmetic, checked once: an iteration answers batch_size prompts; each PPO epoch splits every rank's
-    # share into num_mini_batches optimizer steps of gradient_accumulation_steps forward passes each.
-    args.batch_size = args.per_device_rollout_batch_size * args.world_size
-    args.num_iterations = plumbing.exact_div(args.total_episodes, args.batch_size,
-                                             "--total-episodes / (rollout batch x ranks)")
-    args.per_device_mini_batch_size = plumbing.exact_div(args.per_device_rollout_batch_size, args.num_mini_batches,
-                                                         "--per-device-rollout-batch-size / --num-mini-batches")
-    args.gradient_accumulation_steps = plumbing.exact_div(
-        args.per_device_mini_batch_size, args.per_device_train_batch_size,
-        "rollout batch per mini-batch / --per-device-train-batch-size")
-
-    # The output folder, checked, locked and claimed before anything loads, and the run: a new one, or the one that
-    # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
-    run = plumbing.on_rank_0(lambda: start_run(args))
-    saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
-    tokenizer, reward_tokenizer, critic_path = check_models(args, is_main)
-    prompts = plumbing.load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len,
-                                    is_main, args.assistant_marker if args.split_conversations else None)
-    if len(prompts) < args.batch_size:
-        plumbing.fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
-                      "raise --max-prompt-len or lower --per-device-rollout-batch-size")
-    unsup_blocks = load_pretraining_blocks(tokenizer, args)
-
-    torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
-    actor, reference, critic, reward, ema = build_engines(args, critic_path)
-    # Reward normalization (Ziegler et al. 2019): (score - reward_mean) / reward_std has mean 0 and std 1 where PPO
-    # starts. The critic starts as a copy of the reward model: its outputs are mapped the same way, by its own config.
-    reward_mean, reward_std = score_normalization(reward.module.config)
-    critic_mean, critic_std = score_normalization(critic.module.config)
-    check_normalization(reward.module.config, run["inputs"]["--actor-model-name-or-path"], args)
-    generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
-    actor.module.generation_config = generation_config  # replaces the model's own, so that nothing else is applied
-
-    start_iteration, kl_coef, last_valid_rollout = 0, args.kl_coef, None
-    if args.resume:
-        start_iteration, kl_coef, last_valid_rollout = load_checkpoint(run["checkpoints"], actor, critic, ema, args,
-                                                                       device)
-    writer, metrics_file = start_logging(run, start_iteration, args) if is_main else (None, None)
-    # Under ZeRO-3, each model's weights are gathered once per rollout (plumbing.gathered); the hybrid engine its own.
-    gather_actor = args.gather_weights_for_rollout and not args.enable_hybrid_engine
-    micro_batch = args.per_device_train_batch_size  # rows per forward pass, in the rollout's scoring and the update
-    start_time = time.time()
-    for iteration in range(start_iteration, args.num_iterations):
-        # Seeds of the iteration's own: a resumed run repeats exactly what an uninterrupted one would have done.
-        batch_prompts = prompts_of_iteration(prompts, iteration, rank, args)
-        torch.manual_seed(args.seed * 100_003 + iteration * args.world_size + rank)  # sampling, mini-batch shuffles
-        padded = tokenizer.pad({"input_ids": batch_prompts}, return_tensors="pt")  # left padding
-        prompt_ids, prompt_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device)
-        P = prompt_ids.shape[1]  # prompt length of this batch, padding included
-
-        # ROLLOUT
-        rollout_start = time.time()
-        with torch.no_grad():
-            # 1. Generate: sample a response to every prompt from the current policy pi_theta.
-            # (gathered: nothing below ZeRO-3; under it, one gather for the actor's generation and its log-probs.)
-            with plumbing.gathered(actor, gather_actor):
-                responses = sample_responses(actor, prompt_ids, prompt_mask, generation_config, gather_actor,
-                                             args.enable_hybrid_engine, iteration, start_iteration)
-                generation_time = time.time() - rollout_start
-                # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
-                response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
-                responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
-                sequences = torch.cat([prompt_ids, responses], dim=1)
-                attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-                contains_eos = (responses == tokenizer.eos_token_id).any(dim=1)
-                # 3. Log-probs and values, one model at a time, in micro-batches: log pi_theta(a_t|s_t) and
-                # log pi_ref(a_t|s_t) at the sampling temperature, and V(s_t) from the token before a_t.
-                logprobs = in_micro_batches(response_logprobs, micro_batch, actor.module, sequences, attention_mask,
-                                            P, args.temperature)
-            # (adapters_disabled: nothing without LoRA; with actor LoRA the reference is the actor, adapters off.)
-            with plumbing.gathered(reference, args.gather_weights_for_rollout), \
-                    plumbing.adapters_disabled(reference.module):
-                ref_logprobs = in_micro_batches(response_logprobs, micro_batch, reference.module, sequences,
-                                                attention_mask, P, args.temperature)
-            with plumbing.gathered(critic, args.gather_weights_for_rollout):
-                values = in_micro_batches(critic_values, micro_batch, critic.module, sequences, attention_mask, P,
-                                          critic_mean, critic_std)
-            # 4. Score prompt + truncated response at its last real token (the EOS, or the last token of a response
-            # cut at max_new_tokens), normalized: (r(x, y) - reward_mean) / reward_std, in the reward model's tokens.
-            with plumbing.gathered(reward, args.gather_weights_for_rollout):
-                scores = in_micro_batches(reward_scores, micro_batch, reward.module, sequences, attention_mask, P,
-                                          reward_mean, reward_std, tokenizer, reward_tokenizer)
-            # The EOS trick (N+ detail 23): a response that never stopped gets a fixed low score.
-            if args.missing_eos_penalty is not None:
-                scores = torch.where(contains_eos, scores, -args.missing_eos_penalty)
-            check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, iteration, start_iteration)
-
-            # 5. Invalid generations, too short to learn from, are left out of the update (their mask is zeroed).
-            # The loop's three masks, each made once: attention_mask [B, P + R], what the models read (the prompt's
-            # padding off); response_mask [B, R], each response up to its EOS (lengths, the EOS count); update_mask
-            # [B, R], the valid responses' response_mask: rlhf_math's one mask, the only one that the rewards, the
-            # advantages and the losses see.
-            real_tokens = response_mask.sum(dim=1) - contains_eos.long()
-            valid = real_tokens >= args.min_response_tokens
-            update_mask = response_mask * valid.unsqueeze(1)
-
-            # 6. Per-token rewards r_t = -beta KL_t, plus the clipped score on the last token; GAE advantages.
-            rewards, kl = rlhf_math.per_token_rewards(
-                scores, logprobs, ref_logprobs, update_mask, kl_coef, args.clip_score, args.kl_estimator)
-            if args.whiten_rewards:
-                rewards = rlhf_math.masked_whiten(rewards, update_mask, shift_mean=False,
-                                                  stats=batch_mean_var(rewards, update_mask, args.whiten_across_ranks))
-            gae_advantages, returns = rlhf_math.gae_advantages_and_returns(rewards, values, update_mask, args.gamma,
-                                                                           args.lam)
-            advantages = rlhf_math.masked_whiten(gae_advantages, update_mask, stats=batch_mean_var(
-                gae_advantages, update_mask, args.whiten_across_ranks)) if args.whiten_advantages else gae_advantages
-            rollout = dict(sequences=sequences, attention_mask=attention_mask, logprobs=logprobs, values=values,
-                           advantages=advantages, returns=returns, mask=update_mask)
-            # The update's batch: this rollout, or if none of its responses is valid the last valid one (its own P).
-            # By default only a rollout whose every response is a bare EOS is invalid (--min-response-tokens 1).
-            last_valid_rollout = (rollout, P) if valid.any() else reuse_last_valid_rollout(last_valid_rollout,
-                                                                                           iteration, rank, args)
-            batch, batch_P = last_valid_rollout
-        rollout_time = time.time() - rollout_start
-
-        # UPDATE: num_ppo_epochs passes; each splits the batch into num_mini_batches optimizer steps of micro-batches.
-        update_start = time.time()
-        lr = actor.get_lr()[0]  # the rate of this iteration's first step
-        update_sums, first_logprobs = new_update_sums(device), torch.full_like(logprobs, float("nan"))
-        for epoch in range(args.num_ppo_epochs):
-            mini_batches = torch.randperm(len(batch["mask"]), device=device).split(args.per_device_mini_batch_size)
-            mini_batch_tokens = tokens_per_mini_batch(batch["mask"], mini_batches)
-            for mini_batch_index, mini_batch in enumerate(mini_batches):
-                for micro_batch_rows in mini_batch.split(micro_batch):
-                    mb = {k: v[micro_batch_rows] for k, v in batch.items()}
-                    # The policy's and the value function's new outputs on the rollout's sequences.
-                    new_logits = response_logits(actor.module, mb["sequences"], mb["attention_mask"], batch_P)
-                    new_logprobs = rlhf_math.logprobs_from_logits(new_logits, mb["sequences"][:, batch_P:],
-                                                                  args.temperature)
-                    new_values = critic_values(critic.module, mb["sequences"], mb["attention_mask"], batch_P,
-                                               critic_mean, critic_std)
-                    # PPO's clipped surrogate objective and clipped value loss.
-                    pg_loss, pg_stats = rlhf_math.policy_loss(
-                        new_logprobs, mb["logprobs"], mb["advantages"], mb["mask"], args.cliprange)
-                    vf_loss, vf_clipfrac = rlhf_math.value_loss(
-                        new_values, mb["values"], mb["returns"], mb["mask"], args.cliprange_value)
-                    first_step = epoch == 0 and mini_batch_index == 0 and batch is rollout
-                    check_update(new_logprobs, mb, pg_loss, vf_loss, first_step, iteration, args)
-                    if first_step and args.trace_every:  # before any optimizer step, for the trace
-                        first_logprobs[micro_batch_rows] = new_logprobs.detach()
-                    # Backward: each loss weighed by its micro-batch's share of the tokens; the actor's with PPO-ptx's
-                    # gamma * language-modelling loss when --unsup-dataset is set (else ptx_loss is 0).
-                    weight = loss_weight(mb["mask"], mini_batch_tokens[mini_batch_index], args)
-                    ptx_loss = pretraining_loss(actor, unsup_blocks, update_sums, iteration, args)
-                    actor.backward(weight * pg_loss + ptx_loss)
-                    critic.backward(weight * vf_loss)
-                    with aligned_overflow(actor, critic, args.align_overflow):  # nothing unless --align-overflow
-                        actor.step()  # DeepSpeed steps the optimizer at the end of each mini-batch's accumulation
-                        critic.step()
-                    add_update_sums(update_sums, new_logits, mb["mask"], pg_loss, vf_loss, pg_stats, vf_clipfrac, args)
-                update_ema(ema, actor, args.ema_decay)  # nothing unless --enable-ema: after every actor step
-        update_time = time.time() - update_start
-
-        # LOGGING: TRL's metric names, each a mean over all ranks' responses or tokens (iteration_metrics).
-        rollout_stats = dict(kl=kl, scores=scores, valid=valid, logprobs=logprobs, update_mask=update_mask,
-                             response_mask=response_mask, contains_eos=contains_eos)
-        times = {"eps": (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time),
-                 "time/rollout": rollout_time, "time/generation": generation_time, "time/update": update_time}
-        metrics = iteration_metrics(update_sums, rollout_stats, kl_coef, lr, iteration, times, args)
-        if is_main:
-            log_iteration(metrics, iteration, writer, metrics_file, tokenizer, (prompt_ids, responses, scores), args)
-        # (trace_response, adapted_kl_coef, save_snapshot: nothing in a default run; they act with --trace-every,
-        # --target-kl and --snapshot-every.)
-        trace_response(iteration, tokenizer, responses, scores, first_logprobs, run, args, mask=update_mask,
-                       logprob=logprobs, ref_logprob=ref_logprobs, kl=kl, reward=rewards, value=values,
-                       advantage=gae_advantages, whitened=advantages, **{"return": returns})
-        kl_coef = adapted_kl_coef(kl_coef, kl, valid, args)  # Ziegler et al.'s adaptive KL controller
-        save_snapshot(actor, tokenizer, iteration + 1, saved_by, args)
-        if args.save_every and (iteration + 1) % args.save_every == 0:
-            save_checkpoint(iteration + 1, kl_coef, actor, critic, ema, last_valid_rollout, run["run_name"], args)
-
-    # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
-    record = {**saved_by, "iteration": args.num_iterations, "finished": True}
-    for name, engine in [("actor", actor), ("critic", critic), ("actor_ema", ema)]:
-        if engine is not None:
-            plumbing.save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record,
-                                        merge_lora=True)
-    if is_main:
-        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
-                            {**(plumbing.read_record(args.output_dir) or saved_by), "finished": True})
-        print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
-              f"in {time.time() - start_time:.0f}s")
-        metrics_file.close()
-        writer.close()
-    plumbing.end_run()
+    main(tyro.cli(Args))

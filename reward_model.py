@@ -140,136 +140,8 @@ class Args:
     """optimizer steps in the whole run"""
 
 
-def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
-    """Each pair as two token-id lists, prompt + chosen + EOS and prompt + rejected + EOS.
-
-    Prompt and response are tokenized separately and their ids concatenated, as sft.py and ppo.py do, so that the
-    reward model sees exactly the token sequences that the policy produces.
-    """
-    examples, too_long, same = [], 0, 0
-    for i, row in enumerate(data):
-        chosen = plumbing.text_of(row, i, args.chosen_column, split)
-        rejected = plumbing.text_of(row, i, args.rejected_column, split)
-        if args.split_conversations:  # both hold the whole conversation; the prompt ends at chosen's last marker
-            ids = plumbing.prompt_ids(tokenizer, row, i, args.chosen_column, split, args.assistant_marker)
-            prompt, chosen = plumbing.split_conversation(chosen, args.assistant_marker, f"row {i} of split {split!r}")
-            if not rejected.startswith(prompt):
-                plumbing.fail(f"row {i} of split {split!r}: {args.rejected_column!r} does not begin with the "
-                              f"conversation of {args.chosen_column!r} up to its last {args.assistant_marker!r}; fix "
-                              "or remove the row")
-            rejected = rejected[len(prompt) :]
-        else:
-            ids = plumbing.prompt_ids(tokenizer, row, i, args.prompt_column, split)
-            plumbing.refuse_repeated_prompt(row[args.prompt_column],
-                                            {args.chosen_column: chosen, args.rejected_column: rejected}, i, split)
-        sides = [ids + plumbing.response_ids(tokenizer, response, f"row {i} of split {split!r}, column {column!r}")
-                 for response, column in [(chosen, args.chosen_column), (rejected, args.rejected_column)]]
-        if max(len(s) for s in sides) > args.max_seq_len:
-            too_long += 1
-            continue
-        if sides[0] == sides[1]:  # no preference: the loss's gradient is 0, and the pair is never ranked right
-            same += 1
-            continue
-        examples.append({"prompt": ids, "chosen": sides[0], "rejected": sides[1]})
-    if os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
-        if too_long:
-            print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len "
-                  f"{args.max_seq_len}")
-        if same:
-            print(f"dropped {same} of {len(data)} pairs of split {split!r} whose chosen and rejected responses are the "
-                  "same tokens (no preference to learn)")
-    if not examples and same:
-        plumbing.fail(f"every pair of split {split!r} that fits --max-seq-len has the same chosen and rejected "
-                      f"response: there is no preference to learn; check --chosen-column {args.chosen_column!r} and "
-                      f"--rejected-column {args.rejected_column!r}")
-    if not examples:
-        plumbing.fail(f"no pair of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")
-    return examples
-
-
-def right_pad(sequences: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Token-id lists -> input_ids and attention_mask [len(sequences), longest], padded on the right."""
-    length = max(len(s) for s in sequences)
-    input_ids = [s + [pad_token_id] * (length - len(s)) for s in sequences]
-    attention_mask = [[1] * len(s) + [0] * (length - len(s)) for s in sequences]
-    return {"input_ids": torch.tensor(input_ids), "attention_mask": torch.tensor(attention_mask)}
-
-
-def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """B pairs -> one right-padded batch of 2B sequences, the B chosen first, then the B rejected; and `counted` [B],
-    False for the copies that only keep an evaluation's ranks in step (plumbing.rank_share)."""
-    batch = right_pad([e["chosen"] for e in examples] + [e["rejected"] for e in examples], pad_token_id)
-    return {**batch, "counted": torch.tensor([e.get("counted", True) for e in examples])}
-
-
-def deepspeed_config(args: Args) -> dict:
-    """The DeepSpeed config of the reward model being trained, from the flags: micro-batch, gradient accumulation and
-    clipping, ZeRO stage, offload and precision."""
-    # Under ZeRO-3 the reward model keeps no small parameter (a norm, a bias, the scalar head) whole on every rank
-    # (DeepSpeed-Chat keeps those under 10k elements whole): each one kept whole would cost an all-gather of its own
-    # after every optimizer step, while a partitioned one comes in the coalesced all-gather that prefetches its layer.
-    # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
-    # whole process (the policy that samples for the reward normalization too), with a slower autograd function.
-    config = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "gradient_clipping": args.gradient_clipping,
-        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": 0,
-                              "memory_efficient_linear": False},
-        "bf16": {"enabled": args.dtype == "bf16"},
-        "fp16": {"enabled": args.dtype == "fp16"},
-        "steps_per_print": 10**9,
-    }
-    if args.offload:  # Adam's states in CPU memory, and under ZeRO-3 the weights too
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        if args.zero_stage == 3:
-            config["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    return config
-
-
-def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The reward r(x, y) of each right-padded sequence: the scalar head at its last real token (the EOS).
-
-    The head is applied at every position ([B, T] scores, one after each prefix) and read at the last one, instead of
-    letting Hugging Face pool it, so that this is visibly the same computation as ppo.py's.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, hidden]
-    scores = model.score(hidden).squeeze(-1).float()  # [B, T]
-    last = attention_mask.sum(dim=1) - 1  # right padding: the index of the last real token
-    return scores[torch.arange(len(scores), device=scores.device), last]
-
-
-@torch.no_grad()
-def evaluate(engine, loader, device) -> dict[str, float]:
-    """Held-out accuracy, loss and mean chosen/rejected scores over every rank's share of the split."""
-    engine.eval()
-    total = torch.zeros(5, device=device)  # [loss x pairs, correct pairs, chosen score sum, rejected score sum, pairs]
-    for batch in loader:
-        scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        chosen, rejected = (side[batch["counted"].to(device)] for side in scores.chunk(2))
-        n = len(chosen)
-        if n > 0:
-            loss, accuracy = rlhf_math.pairwise_reward_loss(chosen, rejected)
-            total += torch.stack([loss * n, accuracy * n, chosen.sum(), rejected.sum(),
-                                  torch.tensor(float(n), device=device)])
-    dist.all_reduce(total)
-    engine.train()
-    n = total[4].item()
-    return {"loss": total[0].item() / n, "accuracy": total[1].item() / n,
-            "chosen_score": total[2].item() / n, "rejected_score": total[3].item() / n}
-
-
-def check_args(args: Args) -> None:
-    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
-    plumbing.check_ranges(args)
-    if args.normalization_samples < 2:
-        plumbing.fail(f"--normalization-samples must be at least 2 (a standard deviation needs two), not "
-                      f"{args.normalization_samples}")
-
-
-if __name__ == "__main__":
-    args = tyro.cli(Args)
+def main(args: Args) -> None:
+    """Stage 2: train the reward model on the preference pairs, measure its score normalization, then save it."""
     check_args(args)
     device = plumbing.init_distributed(args, zero3=args.zero_stage == 3)
     is_main = dist.get_rank() == 0
@@ -501,3 +373,135 @@ if __name__ == "__main__":
         print(f"saved the reward model to {args.output_dir}")
         writer.close()
     plumbing.end_run()
+
+
+def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
+    """Each pair as two token-id lists, prompt + chosen + EOS and prompt + rejected + EOS.
+
+    Prompt and response are tokenized separately and their ids concatenated, as sft.py and ppo.py do, so that the
+    reward model sees exactly the token sequences that the policy produces.
+    """
+    examples, too_long, same = [], 0, 0
+    for i, row in enumerate(data):
+        chosen = plumbing.text_of(row, i, args.chosen_column, split)
+        rejected = plumbing.text_of(row, i, args.rejected_column, split)
+        if args.split_conversations:  # both hold the whole conversation; the prompt ends at chosen's last marker
+            ids = plumbing.prompt_ids(tokenizer, row, i, args.chosen_column, split, args.assistant_marker)
+            prompt, chosen = plumbing.split_conversation(chosen, args.assistant_marker, f"row {i} of split {split!r}")
+            if not rejected.startswith(prompt):
+                plumbing.fail(f"row {i} of split {split!r}: {args.rejected_column!r} does not begin with the "
+                              f"conversation of {args.chosen_column!r} up to its last {args.assistant_marker!r}; fix "
+                              "or remove the row")
+            rejected = rejected[len(prompt) :]
+        else:
+            ids = plumbing.prompt_ids(tokenizer, row, i, args.prompt_column, split)
+            plumbing.refuse_repeated_prompt(row[args.prompt_column],
+                                            {args.chosen_column: chosen, args.rejected_column: rejected}, i, split)
+        sides = [ids + plumbing.response_ids(tokenizer, response, f"row {i} of split {split!r}, column {column!r}")
+                 for response, column in [(chosen, args.chosen_column), (rejected, args.rejected_column)]]
+        if max(len(s) for s in sides) > args.max_seq_len:
+            too_long += 1
+            continue
+        if sides[0] == sides[1]:  # no preference: the loss's gradient is 0, and the pair is never ranked right
+            same += 1
+            continue
+        examples.append({"prompt": ids, "chosen": sides[0], "rejected": sides[1]})
+    if os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
+        if too_long:
+            print(f"dropped {too_long} of {len(data)} pairs of split {split!r} longer than --max-seq-len "
+                  f"{args.max_seq_len}")
+        if same:
+            print(f"dropped {same} of {len(data)} pairs of split {split!r} whose chosen and rejected responses are the "
+                  "same tokens (no preference to learn)")
+    if not examples and same:
+        plumbing.fail(f"every pair of split {split!r} that fits --max-seq-len has the same chosen and rejected "
+                      f"response: there is no preference to learn; check --chosen-column {args.chosen_column!r} and "
+                      f"--rejected-column {args.rejected_column!r}")
+    if not examples:
+        plumbing.fail(f"no pair of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")
+    return examples
+
+
+def right_pad(sequences: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Token-id lists -> input_ids and attention_mask [len(sequences), longest], padded on the right."""
+    length = max(len(s) for s in sequences)
+    input_ids = [s + [pad_token_id] * (length - len(s)) for s in sequences]
+    attention_mask = [[1] * len(s) + [0] * (length - len(s)) for s in sequences]
+    return {"input_ids": torch.tensor(input_ids), "attention_mask": torch.tensor(attention_mask)}
+
+
+def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """B pairs -> one right-padded batch of 2B sequences, the B chosen first, then the B rejected; and `counted` [B],
+    False for the copies that only keep an evaluation's ranks in step (plumbing.rank_share)."""
+    batch = right_pad([e["chosen"] for e in examples] + [e["rejected"] for e in examples], pad_token_id)
+    return {**batch, "counted": torch.tensor([e.get("counted", True) for e in examples])}
+
+
+def deepspeed_config(args: Args) -> dict:
+    """The DeepSpeed config of the reward model being trained, from the flags: micro-batch, gradient accumulation and
+    clipping, ZeRO stage, offload and precision."""
+    # Under ZeRO-3 the reward model keeps no small parameter (a norm, a bias, the scalar head) whole on every rank
+    # (DeepSpeed-Chat keeps those under 10k elements whole): each one kept whole would cost an all-gather of its own
+    # after every optimizer step, while a partitioned one comes in the coalesced all-gather that prefetches its layer.
+    # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
+    # whole process (the policy that samples for the reward normalization too), with a slower autograd function.
+    config = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.gradient_clipping,
+        "zero_optimization": {"stage": args.zero_stage, "stage3_param_persistence_threshold": 0,
+                              "memory_efficient_linear": False},
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "fp16": {"enabled": args.dtype == "fp16"},
+        "steps_per_print": 10**9,
+    }
+    if args.offload:  # Adam's states in CPU memory, and under ZeRO-3 the weights too
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if args.zero_stage == 3:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    return config
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The reward r(x, y) of each right-padded sequence: the scalar head at its last real token (the EOS).
+
+    The head is applied at every position ([B, T] scores, one after each prefix) and read at the last one, instead of
+    letting Hugging Face pool it, so that this is visibly the same computation as ppo.py's.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, hidden]
+    scores = model.score(hidden).squeeze(-1).float()  # [B, T]
+    last = attention_mask.sum(dim=1) - 1  # right padding: the index of the last real token
+    return scores[torch.arange(len(scores), device=scores.device), last]
+
+
+@torch.no_grad()
+def evaluate(engine, loader, device) -> dict[str, float]:
+    """Held-out accuracy, loss and mean chosen/rejected scores over every rank's share of the split."""
+    engine.eval()
+    total = torch.zeros(5, device=device)  # [loss x pairs, correct pairs, chosen score sum, rejected score sum, pairs]
+    for batch in loader:
+        scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        chosen, rejected = (side[batch["counted"].to(device)] for side in scores.chunk(2))
+        n = len(chosen)
+        if n > 0:
+            loss, accuracy = rlhf_math.pairwise_reward_loss(chosen, rejected)
+            total += torch.stack([loss * n, accuracy * n, chosen.sum(), rejected.sum(),
+                                  torch.tensor(float(n), device=device)])
+    dist.all_reduce(total)
+    engine.train()
+    n = total[4].item()
+    return {"loss": total[0].item() / n, "accuracy": total[1].item() / n,
+            "chosen_score": total[2].item() / n, "rejected_score": total[3].item() / n}
+
+
+def check_args(args: Args) -> None:
+    """Bad flags stop the script here, with a message that names them, before anything is loaded."""
+    plumbing.check_ranges(args)
+    if args.normalization_samples < 2:
+        plumbing.fail(f"--normalization-samples must be at least 2 (a standard deviation needs two), not "
+                      f"{args.normalization_samples}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -117,85 +117,8 @@ class Args:
     """optimizer steps in the whole run"""
 
 
-def tokenize_demonstrations(data, tokenizer, args: Args, split: str) -> list[dict]:
-    """prompt + response + EOS as token ids, with labels -100 on the prompt so that only the response is learned.
-
-    Prompt and response are tokenized separately and their ids concatenated, so the boundary between them is exact.
-    """
-    examples, too_long = [], 0
-    for i, row in enumerate(data):
-        response = plumbing.text_of(row, i, args.response_column, split)
-        if args.split_conversations:  # the response column holds the whole conversation, prompt included
-            ids = plumbing.prompt_ids(tokenizer, row, i, args.response_column, split, args.assistant_marker)
-            response = plumbing.split_conversation(response, args.assistant_marker, f"row {i} of split {split!r}")[1]
-        else:
-            ids = plumbing.prompt_ids(tokenizer, row, i, args.prompt_column, split)
-            plumbing.refuse_repeated_prompt(row[args.prompt_column], {args.response_column: response}, i, split)
-        response_ids = plumbing.response_ids(tokenizer, response, f"row {i} of split {split!r}, column "
-                                                                  f"{args.response_column!r}")
-        if len(ids) + len(response_ids) > args.max_seq_len:
-            too_long += 1
-            continue
-        examples.append({"input_ids": ids + response_ids, "labels": [-100] * len(ids) + response_ids})
-    if too_long and os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
-        print(f"dropped {too_long} of {len(data)} rows of split {split!r} longer than --max-seq-len {args.max_seq_len}")
-    if not examples:
-        plumbing.fail(f"no row of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")
-    return examples
-
-
-def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a list of examples into a batch: input_ids, attention_mask, labels (-100 on padding)."""
-    length = max(len(e["input_ids"]) for e in examples)
-    batch = {"input_ids": [], "attention_mask": [], "labels": []}
-    for e in examples:
-        n_pad = length - len(e["input_ids"])
-        batch["input_ids"].append(e["input_ids"] + [pad_token_id] * n_pad)
-        batch["attention_mask"].append([1] * len(e["input_ids"]) + [0] * n_pad)
-        batch["labels"].append(e["labels"] + [-100] * n_pad)
-    return {k: torch.tensor(v) for k, v in batch.items()}
-
-
-def deepspeed_config(args: Args) -> dict:
-    """The DeepSpeed config of the model being fine-tuned: micro-batch, gradient accumulation and clipping, ZeRO stage,
-    offload and precision, from the flags."""
-    # stage3_param_persistence_threshold 0: under ZeRO-3 no small parameter (a norm, a bias) stays whole on every rank
-    # (DeepSpeed-Chat keeps those under 10k elements whole): each one kept whole would cost an all-gather of its own
-    # after every optimizer step, while a partitioned one comes in the coalesced all-gather that prefetches its layer.
-    # memory_efficient_linear off: otherwise loading the model under ZeRO-3 replaces torch.nn.functional.linear, for
-    # the whole process, with a slower autograd function.
-    zero = {"stage": args.zero_stage, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False}
-    if args.offload:  # Adam's states in CPU memory
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if args.offload and args.zero_stage == 3:  # and the weights
-        zero["offload_param"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "gradient_clipping": args.gradient_clipping, "zero_optimization": zero, "steps_per_print": 10**9,
-            "bf16": {"enabled": args.dtype == "bf16"}, "fp16": {"enabled": args.dtype == "fp16"}}
-
-
-@torch.no_grad()
-def evaluate(engine, loader, device) -> float:
-    """Held-out loss: the mean cross-entropy per response token, over every rank's share of the split."""
-    engine.eval()
-    total = torch.zeros(2, device=device)  # [sum of token losses, number of tokens]
-    for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        # The logits at position i predict the token at position i + 1.
-        labels = batch["labels"][:, 1:]
-        losses = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="sum"
-        )
-        total += torch.stack([losses, (labels != -100).sum().float()])
-    dist.all_reduce(total)
-    engine.train()
-    return (total[0] / total[1]).item()
-
-
-if __name__ == "__main__":
-    args = tyro.cli(Args)
+def main(args: Args) -> None:
+    """Stage 1: fine-tune the base model on the demonstrations, then save it (the whole loop inline)."""
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
     device = plumbing.init_distributed(args, zero3=args.zero_stage == 3)
     is_main = dist.get_rank() == 0
@@ -325,3 +248,84 @@ if __name__ == "__main__":
         print(f"saved the SFT model to {args.output_dir}")
         writer.close()
     plumbing.end_run()
+
+
+def tokenize_demonstrations(data, tokenizer, args: Args, split: str) -> list[dict]:
+    """prompt + response + EOS as token ids, with labels -100 on the prompt so that only the response is learned.
+
+    Prompt and response are tokenized separately and their ids concatenated, so the boundary between them is exact.
+    """
+    examples, too_long = [], 0
+    for i, row in enumerate(data):
+        response = plumbing.text_of(row, i, args.response_column, split)
+        if args.split_conversations:  # the response column holds the whole conversation, prompt included
+            ids = plumbing.prompt_ids(tokenizer, row, i, args.response_column, split, args.assistant_marker)
+            response = plumbing.split_conversation(response, args.assistant_marker, f"row {i} of split {split!r}")[1]
+        else:
+            ids = plumbing.prompt_ids(tokenizer, row, i, args.prompt_column, split)
+            plumbing.refuse_repeated_prompt(row[args.prompt_column], {args.response_column: response}, i, split)
+        response_ids = plumbing.response_ids(tokenizer, response, f"row {i} of split {split!r}, column "
+                                                                  f"{args.response_column!r}")
+        if len(ids) + len(response_ids) > args.max_seq_len:
+            too_long += 1
+            continue
+        examples.append({"input_ids": ids + response_ids, "labels": [-100] * len(ids) + response_ids})
+    if too_long and os.environ.get("RANK", "0") == "0":  # the global rank: every node has a local rank 0
+        print(f"dropped {too_long} of {len(data)} rows of split {split!r} longer than --max-seq-len {args.max_seq_len}")
+    if not examples:
+        plumbing.fail(f"no row of split {split!r} fits --max-seq-len {args.max_seq_len}; raise it")
+    return examples
+
+
+def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of examples into a batch: input_ids, attention_mask, labels (-100 on padding)."""
+    length = max(len(e["input_ids"]) for e in examples)
+    batch = {"input_ids": [], "attention_mask": [], "labels": []}
+    for e in examples:
+        n_pad = length - len(e["input_ids"])
+        batch["input_ids"].append(e["input_ids"] + [pad_token_id] * n_pad)
+        batch["attention_mask"].append([1] * len(e["input_ids"]) + [0] * n_pad)
+        batch["labels"].append(e["labels"] + [-100] * n_pad)
+    return {k: torch.tensor(v) for k, v in batch.items()}
+
+
+def deepspeed_config(args: Args) -> dict:
+    """The DeepSpeed config of the model being fine-tuned: micro-batch, gradient accumulation and clipping, ZeRO stage,
+    offload and precision, from the flags."""
+    # stage3_param_persistence_threshold 0: under ZeRO-3 no small parameter (a norm, a bias) stays whole on every rank
+    # (DeepSpeed-Chat keeps those under 10k elements whole): each one kept whole would cost an all-gather of its own
+    # after every optimizer step, while a partitioned one comes in the coalesced all-gather that prefetches its layer.
+    # memory_efficient_linear off: otherwise loading the model under ZeRO-3 replaces torch.nn.functional.linear, for
+    # the whole process, with a slower autograd function.
+    zero = {"stage": args.zero_stage, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False}
+    if args.offload:  # Adam's states in CPU memory
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if args.offload and args.zero_stage == 3:  # and the weights
+        zero["offload_param"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "gradient_clipping": args.gradient_clipping, "zero_optimization": zero, "steps_per_print": 10**9,
+            "bf16": {"enabled": args.dtype == "bf16"}, "fp16": {"enabled": args.dtype == "fp16"}}
+
+
+@torch.no_grad()
+def evaluate(engine, loader, device) -> float:
+    """Held-out loss: the mean cross-entropy per response token, over every rank's share of the split."""
+    engine.eval()
+    total = torch.zeros(2, device=device)  # [sum of token losses, number of tokens]
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # The logits at position i predict the token at position i + 1.
+        labels = batch["labels"][:, 1:]
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="sum"
+        )
+        total += torch.stack([losses, (labels != -100).sum().float()])
+    dist.all_reduce(total)
+    engine.train()
+    return (total[0] / total[1]).item()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
