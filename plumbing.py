@@ -136,11 +136,9 @@ def load_pretrained(model_class, path: str, hint: str, new_head: bool = False, *
     return model
 
 def folder_identity(path: str | None) -> str | None:
-    """What identifies a model folder when it is moved or named another way, and tells it from a model put in its
-    place, even one changed in a single weight or token: a SHA-256 of the files that make the model and its tokenizer
-    (config.json, the safetensors weights, the tokenizer's files: SAVED_FILE's names but for the record and the
-    generation config), name and whole content (read once, about 1 GB/s: a second for a 1B-parameter model in bf16).
-    A hub name (or None) stands for itself."""
+    """What identifies a model folder moved or named another way, and tells it from a model put in its place, even
+    one changed in a single weight or token: a SHA-256 of the names and whole content of the files of the model and
+    its tokenizer (SAVED_FILE's but the record and generation config; about 1 GB/s). A hub name (or None) is itself."""
     if path is None or not os.path.isdir(path):
         return path
     digest = hashlib.sha256()
@@ -221,6 +219,32 @@ def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: boo
              f"needs an EOS and a pad token; set them and save it, or {hint}")
     return other
 
+def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
+                        reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompt + response [B, P + R] as the reward model reads them: unchanged when it has the actor's tokenizer
+    (reward_tokenizer None); otherwise each prompt and response decoded to text and tokenized again as
+    reward_model.py tokenizes its data (EOS appended where the response has one; the actor's special tokens are
+    not carried over), left- and right-padded again -> (sequences [B, P' + R'], attention_mask, P')."""
+    if reward_tokenizer is None:
+        return sequences, attention_mask, prompt_len
+    prompts, responses = [], []
+    for ids, mask in zip(sequences, attention_mask.bool()):
+        prompt, response = ids[:prompt_len][mask[:prompt_len]], ids[prompt_len:][mask[prompt_len:]]
+        prompts.append(reward_tokenizer(tokenizer.decode(prompt, skip_special_tokens=True),
+                                        split_special_tokens=True)["input_ids"])
+        eos = [reward_tokenizer.eos_token_id] if (response == tokenizer.eos_token_id).any() else []
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        # A response of special tokens only, without EOS, decodes to nothing: its score is read at an EOS.
+        responses.append(reward_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                         + eos or [reward_tokenizer.eos_token_id])
+    P, R, pad = max(map(len, prompts)), max(map(len, responses)), reward_tokenizer.pad_token_id
+    if P + R > reward_tokenizer.model_max_length:
+        fail(f"a prompt + response is {P + R} tokens for the reward model, more than its tokenizer's "
+             f"model_max_length {reward_tokenizer.model_max_length}; lower --max-prompt-len or --max-new-tokens")
+    rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
+    masks = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
+    return torch.tensor(rows, device=sequences.device), torch.tensor(masks, device=sequences.device), P
+
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def model_config(path: str, disable_dropout: bool, trust_remote_code: bool, **kwargs):
@@ -255,19 +279,12 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
 
 @contextlib.contextmanager
 def gathered(engine, enabled: bool):
-    """Under ZeRO-3, gather a model's full weights once and take DeepSpeed's hooks off, so that generating and
-    scoring do not gather the weights again block by block for every new token and every forward pass (the recipe of
-    TRL's unwrap_model_for_generation). Only for no-gradient work: the hooks are back for the update. Beyond TRL's
-    recipe, the weights come in one coalesced all-gather, not one per parameter; the engine's own hooks around each
-    forward pass are off too; and the hooks come back as they were, in their modules' hook tables, instead of being
-    registered anew, which makes DeepSpeed forget the module order it traced, so that the next forward and backward
-    would trace it again without prefetching. Does nothing below ZeRO-3.
-
-    DeepSpeed has no public API for this: it uses the hook handles of the engine's parameter coordinator
-    (forward_hooks, backward_hooks, fwd_pre_hook) and of the engine (module_forward_pre_hook,
-    module_forward_post_hook), the tables torch keeps hooks in (a handle's hooks_dict_ref and extra_dict_ref) and
-    ds_active_sub_modules, checked with DeepSpeed 0.19.8 and torch 2.13
-    (test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
+    """Under ZeRO-3, a model's full weights gathered once (one coalesced all-gather) and DeepSpeed's hooks off, so
+    that generating and scoring do not gather them block by block for every token and forward pass (TRL's
+    unwrap_model_for_generation, for no-gradient work). The hooks come back as they were, in their modules' hook
+    tables: registered anew, DeepSpeed would forget the module order it traced, and stop prefetching. Nothing below
+    ZeRO-3. No public API: it uses the hook handles of the parameter coordinator and the engine, torch's hook tables
+    and ds_active_sub_modules (DeepSpeed 0.19.8; test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
     if not enabled or engine.zero_optimization_stage() != 3:
         yield
         return
@@ -324,11 +341,9 @@ def adapters_disabled(model):
             layer.enable_adapters(True)
 
 def whole_state_dict(model, zero3: bool, is_main: bool, merge_lora: bool = False) -> dict[str, torch.Tensor]:
-    """MODEL's state dict, whole, in rank 0's CPU memory (is_main; the other ranks get {}); with merge_lora, as a plain
-    model's: each LoRA adapter folded into the layer it adapts, W + (alpha / r) B A under W's own name. Under ZeRO-3
-    (zero3: every rank takes part) one tensor, or one adapted layer, is gathered at a time and copied out before the
-    next: a rank never holds more than one layer's weights whole on its device, however large the model. Tied weights
-    stay one tensor under both names, as save_pretrained expects them (it writes such a tensor once)."""
+    """MODEL's state dict, whole, in rank 0's CPU memory (is_main; other ranks get {}); with merge_lora, as a plain
+    model's (W + (alpha / r) B A under W's name). Under ZeRO-3 (zero3: every rank takes part) one tensor or adapted
+    layer is gathered at a time: no rank holds more than a layer whole on its device. Tied weights stay one tensor."""
     state, copies = {}, {}  # copies: each tensor's CPU copy, by identity, which tied names share
     for name, tensor in model.state_dict(keep_vars=True).items():
         gather, saved_name, adapted = [tensor], name, None
@@ -353,10 +368,9 @@ DATA_FORMATS = {".json": "JSON", ".jsonl": "JSON", ".parquet": "Parquet", ".csv"
                 ".arrow": "Arrow"}  # the data files `datasets` reads from a folder, by their loader
 
 def check_data_folder(folder: str, flag: str, split: str) -> None:
-    """A local data folder must hold its data files in one format, each once: `datasets` reads the files of one
-    format and leaves the others out unsaid (train.jsonl beside train.parquet), and reads both of train.json and
-    train.jsonl (one loader). A SPLIT that `datasets` reads from several files (shards, or a copy in a subfolder:
-    old/train.jsonl) is said, file by file."""
+    """A local data folder holds its data files in one format, each once (`datasets` reads one format's files, leaving
+    the others out unsaid, and reads both train.json and train.jsonl). A SPLIT read from several files (shards, or a
+    copy in a subfolder: old/train.jsonl) is said, file by file."""
     files = []
     for root, folders, names in os.walk(folder):
         folders[:] = sorted(name for name in folders if not name.startswith((".", "_")))  # as `datasets` skips them
@@ -584,24 +598,18 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 def keep_freed_memory() -> None:
-    """On a CPU with glibc's malloc: memory freed by a tensor of up to 32 MiB stays in the process for the next one.
-    By default glibc hands a freed block over 128 KiB back to the system, and the free top of its heap past a threshold
-    that moves with those blocks; the next tensor of that size has its pages faulted in again, zeroed by the kernel one
-    by one: a key-value cache that grows by a token at every step, logits, activations and gradients (about 1,000 page
-    faults in a generation of 32 responses of 32 tokens at the benchmark's shape; 7 with this). mallopt's
-    M_MMAP_THRESHOLD (-3) at its largest, 32 MiB, and M_TRIM_THRESHOLD (-1) at twice that: either alone would stop
-    glibc's own rule and leave the other where that rule had put it. Larger tensors still go back at once. Without
-    glibc, nothing changes."""
+    """On a CPU with glibc's malloc: memory freed by a tensor of up to 32 MiB stays in the process for the next one,
+    not faulted in again page by page (1,000 page faults in a generation at the benchmark's shape; 7 with this):
+    mallopt's M_MMAP_THRESHOLD (-3) at its largest, 32 MiB, and M_TRIM_THRESHOLD (-1) at twice that."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt"):
         libc.mallopt(-3, 32 * 2**20)
         libc.mallopt(-1, 64 * 2**20)
 
 def one_openmp_thread_for_new_threads() -> None:
-    """On a CPU: every thread started from now on does its tensor work on one OpenMP thread. gloo's threads, which run
-    the collectives, would each start an OpenMP team, more threads than cores, and libgomp sleeps instead of spinning
-    (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). set_num_threads in a short-lived thread sets the default.
-    Only for ZeRO-3: at ZeRO-0 and ZeRO-2 gloo's threads start no team, and a one-rank run took 3% longer with it."""
+    """On a CPU: threads started from now on (gloo's, which run the collectives) do tensor work on one OpenMP thread,
+    not a team each, more threads than cores (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). Only for ZeRO-3
+    (below it gloo's threads start no team, and a one-rank run took 3% longer with it)."""
     torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
     setter = threading.Thread(target=torch.set_num_threads, args=(1,))
     setter.start()
@@ -686,10 +694,9 @@ def launchers_alive(launchers: list[tuple[int, str]]) -> bool:
     return all((parent_and_start(pid) or (None, None))[1] == start for pid, start in launchers)
 
 def watch_launcher() -> list[tuple[int, str]]:
-    """Exit within seconds when the launcher dies: a killed `deepspeed` or `torchrun` leaves its ranks training and
-    writing checkpoints. The launcher is every ancestor that runs this same Python (deepspeed's runner and launch.py,
-    torchrun; none for a plain `python` run); a thread checks each second that each is still there (Linux /proc).
-    Returns them, (pid, start time) each."""
+    """Exit within seconds when the launcher dies (a killed `deepspeed` or `torchrun` leaves its ranks training): a
+    thread checks each second that every ancestor running this same Python is still there (Linux /proc). Returns
+    them, (pid, start time) each; none for a plain `python` run."""
     watched, pid = [], os.getppid()
     while pid > 1 and (process := parent_and_start(pid)) and \
             os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
@@ -706,10 +713,9 @@ def watch_launcher() -> list[tuple[int, str]]:
     return watched
 
 def rank_share(rows: list, rank: int, world_size: int, filler) -> list:
-    """This rank's share of ROWS for an evaluation on every rank: every world_size-th row from the rank-th, then
-    filler(rows[0]), a row that counts for nothing, until it is as long as the longest share. Every rank then runs the
-    same number of forward passes: under ZeRO-3 each is a collective, which a rank left with one batch fewer would
-    leave the others waiting in."""
+    """This rank's share of ROWS for an evaluation on every rank: every world_size-th row from the rank-th, padded with
+    filler(rows[0]) (counting for nothing) to the longest share, so that every rank runs as many forward passes
+    (under ZeRO-3, collectives)."""
     share = rows[rank::world_size]
     return share + [filler(rows[0])] * (math.ceil(len(rows) / world_size) - len(share))
 
@@ -812,9 +818,8 @@ def check_output_dir(output_dir: str, inputs: dict[str, str | None]) -> None:
                  "become part of it); name a folder outside it")
 
 def refuse_links(output_dir: str, subfolders: list[str]) -> None:
-    """Stop with one line if a run would write through a link in OUTPUT_DIR: its staging folder .saving, or anything
-    in the SUBFOLDERS it writes (snapshots/, resume/, ...), which a save would otherwise write into the folder the link
-    points to, or empty."""
+    """Stop with one line if a run would write through a link in OUTPUT_DIR (into or out of the folder it points to):
+    its staging folder .saving, or anything in the SUBFOLDERS it writes (snapshots/, resume/, ...)."""
     paths = [os.path.join(output_dir, name) for name in [".saving", *subfolders]]
     for path in list(paths):
         if os.path.isdir(path) and not os.path.islink(path):
@@ -826,10 +831,9 @@ def refuse_links(output_dir: str, subfolders: list[str]) -> None:
 
 def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool,
                      subfolders: list[str] = ()) -> None:
-    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: neither it nor the SUBFOLDERS the run
-    writes in it an input nor holding one, nor a link inside it; if not empty, an earlier output of this script (its
-    training_run.json) unless --overwrite; writable. OUTPUT_DIR/.lock (host and pid) keeps a second run out while this
-    one lives; a lock left by a killed run is taken over."""
+    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: neither it nor its SUBFOLDERS an
+    input nor holding one, nor a link inside; if not empty, this script's earlier output unless --overwrite; writable.
+    OUTPUT_DIR/.lock (host and pid) keeps a second run out while this one lives (a killed run's is taken over)."""
     script_name = script()
     for path in [output_dir] + [os.path.join(output_dir, name) for name in subfolders]:
         check_output_dir(path, inputs)
@@ -917,10 +921,9 @@ def make_run_dir(run_name: str) -> str:
     return path
 
 def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
-    """The model as an ordinary Hugging Face folder (safetensors of state_dict or the model's own, tokenizer, record),
-    written in OUTPUT_DIR/.saving, flushed and moved into place file by file: a run killed while saving leaves the
-    earlier model whole. Files that an earlier save wrote (its record lists them) and this one does not are removed:
-    only names a save writes (SAVED_FILE), of regular files in the folder; any other name listed is left alone, said."""
+    """The model as an ordinary Hugging Face folder (safetensors, tokenizer, record), written in OUTPUT_DIR/.saving,
+    flushed and moved into place file by file (a run killed while saving leaves the earlier model whole). Regular files
+    an earlier save wrote (its record lists them; SAVED_FILE's names) and this one does not are removed, no other."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, ".saving")
@@ -1070,9 +1073,8 @@ def checkpoint_problem(checkpoint: str, engines: dict, frozen: set) -> str | Non
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
     """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors) of the trained
-    parameters, whole, by the engine's names (every rank takes part, rank 0 writes); a frozen parameter (LoRA's base
-    weights with --only-optimize-lora) has only its weight, as the module holds it (in fp32). Returns the optimizer's
-    step, the scheduler's state and in fp16 the loss scale's."""
+    parameters, whole, by the engine's names (every rank takes part, rank 0 writes); a frozen one (LoRA's base weights)
+    only its fp32 weight. Returns the optimizer's step, the scheduler's state and in fp16 the loss scale's."""
     base_optimizer = torch_optimizer(engine)
     link_optimizer_states(engine)
     weights, moments = {}, {}
@@ -1104,9 +1106,8 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
 LOSS_SCALE_FIELDS = ["cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"]
 
 def loss_scaler(engine):
-    """What holds fp16's dynamic loss scale in the engine's optimizer (ZeRO 1-3: its loss_scaler; ZeRO-0: its
-    loss_scale_config), or None without fp16 (DeepSpeed 0.19.8, no public API;
-    test_mixed_precision_resume_keeps_master_weights_and_scale)."""
+    """What holds fp16's loss scale in the engine's optimizer (ZeRO 1-3: loss_scaler; ZeRO-0: loss_scale_config), or
+    None without fp16 (DeepSpeed 0.19.8, no public API; test_mixed_precision_resume_keeps_master_weights_and_scale)."""
     optimizer = engine.optimizer
     return (getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)) \
         if engine.fp16_enabled() else None
@@ -1228,9 +1229,8 @@ def remove_earlier_runs(folder: str, run_name: str, record_of) -> None:
             shutil.rmtree(path)
 
 def run_metrics_file(record: dict) -> str | None:
-    """The metrics file that a folder's record names, if it is runs/RUN_NAME/metrics.jsonl (absolute) of the run the
-    record names, and a regular file or none yet; else None: a path read back from an output folder is untrusted (a
-    resumed run rewrites that file)."""
+    """The metrics file a folder's record names if it is runs/RUN_NAME/metrics.jsonl (absolute) of the record's run, a
+    regular file or none yet; else None (a path read back from an output folder is untrusted)."""
     named, run_name = record.get("metrics_file"), record.get("run_name")
     if not (isinstance(named, str) and isinstance(run_name, str) and RUN_NAME.fullmatch(run_name)
             and os.path.isabs(named) and named.split(os.sep)[-3:] == ["runs", run_name, "metrics.jsonl"]):

@@ -50,16 +50,15 @@ class Args:
     seed: Seed = 1
     """seed of the experiment (prompt order, sampling)"""
     output_dir: str = "checkpoints/ppo"
-    """where the trained actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/); a
-    new or empty folder, or one that ppo.py wrote before"""
+    """where the actor and critic are saved (actor/, critic/), and checkpoints for --resume (resume/): a new or empty
+    folder, or one that ppo.py wrote"""
 
     # Models and data
     actor_model_name_or_path: str = "checkpoints/sft"
     """the SFT model (stage 1): the actor and the reference start from it"""
     reward_model_name_or_path: str = "checkpoints/reward_model"
-    """the reward model (stage 2), frozen; its scores are normalized by its config's `reward_mean` and `reward_std`:
-    (score - reward_mean) / reward_std. One with another tokenizer than the actor's reads each prompt + response
-    decoded to text and tokenized again"""
+    """the reward model (stage 2), frozen; its score is normalized by its config's: (score - reward_mean) / reward_std.
+    One with another tokenizer than the actor's reads each prompt + response as text tokenized again"""
     critic_model_name_or_path: str | None = None
     """where the critic starts; when not set, the reward model, or, if the reward model has another tokenizer, the
     actor with a fresh value head (the critic reads the actor's tokens)"""
@@ -68,8 +67,7 @@ class Args:
     train_split: str = "train"
     """the split whose prompts are sampled"""
     prompt_column: str = "prompt"
-    """the column that holds the prompt: text, or a list of {"role", "content"} chat messages (the
-    tokenizer's chat template makes it a prompt)"""
+    """the column that holds the prompt: text, or {"role", "content"} chat messages (the chat template applies)"""
     split_conversations: bool = False
     """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation,
     and the prompt is its text up to and including the last --assistant-marker"""
@@ -92,18 +90,15 @@ class Args:
     min_response_tokens: int = 1
     """responses with fewer real tokens (EOS not counted) are invalid and left out of the update"""
     missing_eos_penalty: float | None = None
-    """the EOS trick: a response that never generated EOS gets the score -MISSING_EOS_PENALTY instead of the reward
-    model's (off by default, as in TRL)"""
+    """the EOS trick: a response without EOS gets the score -MISSING_EOS_PENALTY, not the reward model's (TRL's)"""
 
     # PPO
     num_ppo_epochs: PositiveInt = 1
-    """passes of PPO updates over each rollout batch (TRL's default is 4; one pass of 4 mini-batches keeps the toy run
-    under 2 minutes)"""
+    """passes of PPO updates over each rollout batch (TRL's default is 4; one keeps the toy run under 2 minutes)"""
     num_mini_batches: PositiveInt = 4
     """optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches"""
     per_device_train_batch_size: PositiveInt = 16
-    """sequences per rank per forward pass, in the update (gradient accumulation fills a mini-batch) and in the
-    rollout's scoring passes"""
+    """sequences per rank per forward pass, in the rollout's scoring and the update (accumulated to a mini-batch)"""
     actor_learning_rate: PositiveFloat = 2e-4
     """actor learning rate, decayed linearly to 0 (the toy default; real models of 1B parameters want about 3e-6)"""
     critic_learning_rate: PositiveFloat = 1e-4
@@ -123,8 +118,7 @@ class Args:
     kl_estimator: Literal["k1", "k3"] = "k1"
     """the per-token KL estimator of the penalty (see rlhf_math.kl_per_token)"""
     clip_score: PositiveFloat = 5.0
-    """the normalized score is clipped to [-clip_score, clip_score] (in standard deviations of the SFT policy's
-    scores)"""
+    """the normalized score is clipped to [-clip_score, clip_score] (standard deviations of the SFT policy's scores)"""
     cliprange: PositiveFloat = 0.2
     """epsilon, PPO's clip range of the probability ratio"""
     cliprange_value: PositiveFloat = 0.2
@@ -138,8 +132,8 @@ class Args:
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the rollout batch, keeping their mean"""
     whiten_across_ranks: bool = True
-    """whiten over the whole batch, all ranks together; --no-whiten-across-ranks whitens each rank's share on its own,
-    as TRL does (with few responses per rank that erases which of them was good)"""
+    """whiten over all ranks' batch; --no-whiten-across-ranks, each rank's share alone as TRL (erasing, with few
+    responses per rank, which of them was good)"""
     loss_aggregation: Literal["token-mean", "micro-batch-mean"] = "token-mean"
     """how the policy and value losses average over tokens: token-mean, every in-mask token of a mini-batch (all its
     micro-batches, all ranks) weighs the same; micro-batch-mean, the mean over the micro-batches of each one's token
@@ -155,28 +149,24 @@ class Args:
     save_every: CountInt = 0
     """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
     trace_every: CountInt = 0
-    """print one response of the batch token by token, with every RL quantity of each position as the loop computed it
-    (docs/algorithm.md, "One response, position by position"), every this many iterations, and append it to
-    runs/RUN_NAME/trace.jsonl (0: never)"""
+    """every this many iterations, print one response token by token with each RL quantity the loop computed for it
+    (docs/algorithm.md, "One response, position by position") and append it to runs/RUN_NAME/trace.jsonl (0: never)"""
     trace_response: Literal["stopped", "cut"] = "stopped"
-    """the response --trace-every shows: the first that stopped with EOS before --max-new-tokens (its EOS and the
-    padding after it show), or the first cut at --max-new-tokens"""
+    """the response --trace-every shows: the first that stopped with EOS (and padding), or the first cut at the limit"""
     snapshot_every: CountInt = 0
     """save the actor as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N every this many iterations and at
     the last (0: never), for evaluate.py's picture of reward-model and gold scores along training"""
     resume: bool = False
-    """continue the unfinished run in OUTPUT_DIR from its latest complete checkpoint (or the one before, if that one is
-    damaged) with the settings it started with. A changed setting is refused, but for those that change how the run
-    is saved, logged or laid out in memory, not what it computes: --save-every, --sample-every, --snapshot-every,
-    --trace-every, --trace-response, --track, --wandb-project-name, --actor-zero-stage, --critic-zero-stage, --offload,
-    --offload-reference-model, --offload-reward-model, --gather-weights-for-rollout, --actor-gradient-checkpointing,
-    --critic-gradient-checkpointing, --release-inference-cache, --unpin-actor-parameters, --tp-gather-partition-size;
-    and --actor-model-name-or-path, --reward-model-name-or-path, --critic-model-name-or-path may name moved folders
-    that hold the same models"""
+    """continue the unfinished run in OUTPUT_DIR from its latest complete checkpoint with its settings. Only those that
+    change how the run is saved, logged or laid out in memory may change: --save-every, --sample-every,
+    --snapshot-every, --trace-every, --trace-response, --track, --wandb-project-name, --actor-zero-stage,
+    --critic-zero-stage, --offload, --offload-reference-model, --offload-reward-model, --gather-weights-for-rollout,
+    --actor-gradient-checkpointing, --critic-gradient-checkpointing, --release-inference-cache,
+    --unpin-actor-parameters, --tp-gather-partition-size; and --actor-model-name-or-path, --reward-model-name-or-path,
+    --critic-model-name-or-path may name moved folders that hold the same models"""
     overwrite: bool = False
-    """write into a non-empty --output-dir that ppo.py did not write (files and folders of the names ppo.py writes are
-    replaced, nothing else is deleted), or start a new run in one that holds checkpoints of an unfinished run (they
-    are deleted)"""
+    """write into a non-empty --output-dir that ppo.py did not write (replacing only what has the names it writes), or
+    start a new run in one that holds an unfinished run's checkpoints (deleting them)"""
 
     # DeepSpeed-Chat's extras, each off by default: an EMA of the actor, LoRA, the pretraining mix
     enable_ema: bool = False
@@ -190,8 +180,7 @@ class Args:
     lora_alpha: PositiveFloat = 16.0
     """LoRA's alpha: an adapter adds (alpha / r) B A to its layer's weight"""
     lora_target_modules: str = "all-linear"
-    """the layers that get adapters: peft's "all-linear" (every linear layer but the output head), or a regular
-    expression that matches the full module names"""
+    """the layers that get adapters: peft's "all-linear" (all but the output head), or a regex of full module names"""
     actor_lora_learning_rate: PositiveFloat = 5e-4
     """learning rate of the actor's adapters (the rest of the actor keeps --actor-learning-rate)"""
     critic_lora_learning_rate: PositiveFloat = 5e-4
@@ -199,8 +188,8 @@ class Args:
     only_optimize_lora: bool = False
     """train only the adapters; the reference model is then the actor with its adapters off, one model less"""
     unsup_dataset: str | None = None
-    """plain text for InstructGPT's pretraining mix (PPO-ptx): a hub data set name, or a local .txt/.json/.jsonl/
-    .parquet file (the toy task's: toy_task/pretrain.txt)"""
+    """plain text for InstructGPT's pretraining mix (PPO-ptx): a hub data set, or a local .txt/.json/.jsonl/.parquet
+    file (the toy task's: toy_task/pretrain.txt)"""
     unsup_dataset_config: str | None = None
     """the hub data set's configuration name, if it has several (e.g. wikitext-2-raw-v1)"""
     unsup_text_column: str = "text"
@@ -231,11 +220,9 @@ class Args:
     """under ZeRO-3, gather each model's full weights once per rollout (one model at a time) instead of layer by layer
     for every new token and every forward pass (--no-gather-weights-for-rollout for models too large for one device)"""
     align_overflow: bool = False
-    """fp16 only (DeepSpeed-Chat's extra): when the actor's or the critic's loss scaler finds an overflow, both skip
-    that optimizer step"""
+    """fp16 only (DeepSpeed-Chat's extra): when the actor's or the critic's loss scaler overflows, both skip the step"""
     enable_hybrid_engine: bool = False
-    """generate with DeepSpeed's hybrid engine (DeepSpeed-Chat's extra, GPU only): inference kernels and tensor
-    parallelism for the rollout"""
+    """generate with DeepSpeed's hybrid engine (DeepSpeed-Chat's extra, GPU only): inference kernels and TP"""
     inference_tp_size: PositiveInt = 1
     """hybrid engine: tensor-parallel size of generation"""
     tp_gather_partition_size: PositiveInt = 8
@@ -278,7 +265,7 @@ def main(args: Args) -> None:
         "rollout batch per mini-batch / --per-device-train-batch-size")
 
     # The output folder, checked, locked and claimed before anything loads, and the run: a new one, or the one that
-    # --resume continues (its name, so that its logs continue; its checkpoints, newest first).
+    # --resume continues.
     run = plumbing.on_rank_0(lambda: start_run(args))
     saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
     tokenizer, reward_tokenizer, critic_path = check_models(args, is_main)
@@ -287,7 +274,9 @@ def main(args: Args) -> None:
     if len(prompts) < args.batch_size:
         plumbing.fail(f"{len(prompts)} usable prompts, fewer than one iteration's {args.batch_size}; "
                       "raise --max-prompt-len or lower --per-device-rollout-batch-size")
-    unsup_blocks = load_pretraining_blocks(tokenizer, args)
+    unsup_blocks = None if args.unsup_dataset is None else plumbing.load_text_blocks(  # PPO-ptx's text, [blocks, P + R]
+        tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
+        args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
 
     torch.manual_seed(args.seed)  # LoRA's A matrices start random: the same seed gives the same adapters
     actor, reference, critic, reward, ema = build_engines(args, critic_path)
@@ -301,8 +290,7 @@ def main(args: Args) -> None:
 
     start_iteration, kl_coef, last_valid = 0, args.kl_coef, None  # last_valid: the last valid batch and its P
     if args.resume:
-        start_iteration, kl_coef, last_valid = load_checkpoint(run["checkpoints"], actor, critic, ema, args,
-                                                                       device)
+        start_iteration, kl_coef, last_valid = load_checkpoint(run["checkpoints"], actor, critic, ema, args, device)
     writer, metrics_file = start_logging(run, start_iteration, args) if is_main else (None, None)
     # Under ZeRO-3, each model's weights are gathered once per rollout (plumbing.gathered); the hybrid engine its own.
     gather_actor = args.gather_weights_for_rollout and not args.enable_hybrid_engine
@@ -452,8 +440,7 @@ def main(args: Args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The loop's helpers, in the order it first calls them: PPO's quantities from the models (log-probs,
-# values, scores) and the batch bookkeeping around rlhf_math.py's formulas.
+# The loop's helpers, in the order it first calls them: log-probs, values and scores, and the batches around them.
 # ---------------------------------------------------------------------------------------------------------------
 def score_normalization(config) -> tuple[float, float]:
     """The reward_mean and reward_std that reward_model.py stored in a model's config: the mean and standard deviation
@@ -471,11 +458,10 @@ def score_normalization(config) -> tuple[float, float]:
     return mean, std
 
 def sampling_config(tokenizer, max_new_tokens: int, temperature: float) -> GenerationConfig:
-    """Plain multinomial sampling from the temperature-scaled policy, nothing that would make the sampled distribution
-    differ from the one whose log-probs are computed (no top-k, no top-p, no min_new_tokens, which would suppress
-    EOS). The pad token is suppressed: a young policy does sample it, and a pad inside a response breaks every mask
-    built from padding. (The log-probs keep pad in their softmax; the SFT model never learned to produce pad, so its
-    probability, and the difference, is negligible.)"""
+    """Plain multinomial sampling from the temperature-scaled policy, the distribution whose log-probs are computed
+    (no top-k, no top-p, no min_new_tokens, which would suppress EOS). The pad token is suppressed: a young policy
+    samples it, and a pad inside a response breaks every mask built from padding (the log-probs keep pad in their
+    softmax; its probability under the SFT model, and so the difference, is negligible)."""
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
                             top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                             suppress_tokens=[tokenizer.pad_token_id])
@@ -490,9 +476,8 @@ def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -
 
 def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
                      iteration: int, start: int) -> torch.Tensor:
-    """A response to each prompt, [B, P] -> [B, max_new_tokens] padded on the right: `sample` (synced under ZeRO-3
-    without gathered weights), or the hybrid engine's generate. Non-finite probabilities stop the run with one line,
-    and so does a hybrid engine that fails at its first generation."""
+    """A response to each prompt, [B, P] -> [B, max_new_tokens] right-padded: `sample` (synced under ZeRO-3 without
+    gathered weights) or the hybrid engine's generate; non-finite probabilities, or its failure, stop with one line."""
     actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
     synced = actor.zero_optimization_stage() == 3 and not weights_gathered
     try:
@@ -514,9 +499,9 @@ def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_
                                    value=generation_config.pad_token_id)
 
 def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool) -> torch.Tensor:
-    """model.generate(generation_config=config) for a sampling_config, written out: a_t ~ softmax(z), z = logits / tau,
-    token by token with the key-value cache; the same tokens from the same seed (test_ppo), without generate's
-    machinery. [B, P] -> [B, <= max_new_tokens], pad after each EOS; it stops when all have, on every rank if synced."""
+    """model.generate(generation_config=config) written out, the same tokens from the same seed (test_ppo): a_t ~
+    softmax(logits / tau) with the key-value cache. [B, P] -> [B, <= max_new_tokens], pad after each EOS; it stops
+    when all have, on every rank if synced."""
     cache, attention_mask, position_ids, tokens = None, prompt_mask, position_ids_from(prompt_mask), prompt_ids
     running, responses = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []  # no EOS yet
     for _ in range(config.max_new_tokens):
@@ -538,8 +523,7 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
     return torch.cat(responses, dim=1)
 
 def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
-    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, the results joined along
-    the rows: a scoring pass over the rollout batch needs the memory of one micro-batch."""
+    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, joined: one's memory."""
     return torch.cat([function(model, sequences[i : i + size], attention_mask[i : i + size], *args)
                       for i in range(0, len(sequences), size)])
 
@@ -550,10 +534,8 @@ def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tens
     return rlhf_math.logprobs_from_logits(logits, sequences[:, prompt_len:], temperature)
 
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """The logits that predict each response token: [B, P + R] sequences -> [B, R, V].
-
-    The logits at position P - 1 + t predict the token at position P + t, so they are read one position earlier; only
-    positions P - 1 to P + R - 1 go through the output layer (logits_to_keep), none of the prompt's before them."""
+    """The logits that predict each response token: [B, P + R] sequences -> [B, R, V]. Those at position P - 1 + t
+    predict the token at P + t; only positions P - 1 to P + R - 1 go through the output layer (logits_to_keep)."""
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                 use_cache=False, logits_to_keep=sequences.shape[1] - prompt_len + 1)
     return out.logits[:, :-1]
@@ -577,42 +559,14 @@ def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch
 
 def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
                   std: float, tokenizer=None, reward_tokenizer=None) -> torch.Tensor:
-    """The normalized score (r(x, y) - mean) / std of each prompt + response: the reward model's head at the last
-    in-mask response position (the EOS, or the last token of a response cut at the length limit), where
-    rlhf_math.per_token_rewards lands it. [B, P + R] -> [B]. A reward model with a tokenizer of its own
-    (reward_tokenizer) reads the sequences re-tokenized (reward_model_inputs)."""
-    sequences, attention_mask, prompt_len = reward_model_inputs(sequences, attention_mask, prompt_len, tokenizer,
-                                                                reward_tokenizer)
+    """The normalized score (r(x, y) - mean) / std of each prompt + response, [B, P + R] -> [B]: the reward model's
+    head at the last in-mask response position (the EOS, or the last token of a cut response), where
+    rlhf_math.per_token_rewards lands it; with a tokenizer of its own, on the text tokenized again."""
+    sequences, attention_mask, prompt_len = plumbing.reward_model_inputs(sequences, attention_mask, prompt_len,
+                                                                         tokenizer, reward_tokenizer)
     token_scores = head_at_every_position(model, sequences, attention_mask)[:, prompt_len:]
     last = attention_mask[:, prompt_len:].sum(dim=1) - 1
     return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std
-
-def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
-                        reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Prompt + response [B, P + R] as the reward model reads them: unchanged when it has the actor's tokenizer
-    (reward_tokenizer None); otherwise each prompt and response decoded to text and tokenized again as
-    reward_model.py tokenizes its data (EOS appended where the response has one; the actor's special tokens are
-    not carried over), left- and right-padded again -> (sequences [B, P' + R'], attention_mask, P')."""
-    if reward_tokenizer is None:
-        return sequences, attention_mask, prompt_len
-    prompts, responses = [], []
-    for ids, mask in zip(sequences, attention_mask.bool()):
-        prompt, response = ids[:prompt_len][mask[:prompt_len]], ids[prompt_len:][mask[prompt_len:]]
-        prompts.append(reward_tokenizer(tokenizer.decode(prompt, skip_special_tokens=True),
-                                        split_special_tokens=True)["input_ids"])
-        eos = [reward_tokenizer.eos_token_id] if (response == tokenizer.eos_token_id).any() else []
-        text = tokenizer.decode(response, skip_special_tokens=True)
-        # A response of special tokens only, without EOS, decodes to nothing: its score is read at an EOS.
-        responses.append(reward_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-                         + eos or [reward_tokenizer.eos_token_id])
-    P, R, pad = max(map(len, prompts)), max(map(len, responses)), reward_tokenizer.pad_token_id
-    if P + R > reward_tokenizer.model_max_length:
-        plumbing.fail(f"a prompt + response is {P + R} tokens for the reward model, more than its tokenizer's "
-                      f"model_max_length {reward_tokenizer.model_max_length}; lower --max-prompt-len or "
-                      "--max-new-tokens")
-    rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
-    masks = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
-    return torch.tensor(rows, device=sequences.device), torch.tensor(masks, device=sequences.device), P
 
 def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance of x [B, R] over the in-mask positions of this rank's batch, or of every rank's
@@ -629,10 +583,9 @@ def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> t
     return mean.float(), ((total_squares - n * mean**2).clamp(min=0) / (n - 1)).float()
 
 def last_valid_batch(rollout: dict, P: int, valid: torch.Tensor, last_valid, iteration: int, rank: int, args: Args):
-    """The batch the update trains on and its prompt length: (rollout, P) when a response of this rank's rollout is
-    valid (valid [B]). When none is there is nothing to learn from, and DeepSpeed-Chat's fallback trains on the last
-    valid batch again (last_valid, as this returned it before; sampled by an older policy, so its first ratio is not
-    1). Stops the run when there is none."""
+    """The batch the update trains on and its prompt length: (rollout, P) if a response of this rank's rollout is
+    valid (valid [B]); else DeepSpeed-Chat's fallback, the last valid batch again (last_valid, as this returned it
+    before; sampled by an older policy, so its first ratio is not 1). Stops the run when there is none."""
     if valid.any():
         return rollout, P
     if last_valid is None:
@@ -650,10 +603,9 @@ def tokens_per_mini_batch(mask: torch.Tensor, mini_batches: list[torch.Tensor]) 
 
 def loss_weight(mask: torch.Tensor, mini_batch_tokens: torch.Tensor, args: Args):
     """The factor on a micro-batch's loss, the mean over its n in-mask tokens (docs/implementation_details.md, detail
-    38). token-mean: n / N, N the in-mask tokens of the whole mini-batch (all its micro-batches, all ranks), so that
-    the mini-batch's loss is the sum over its tokens divided by N, every token weighing the same however the
-    mini-batch is split; times the accumulation steps and the ranks, the factor that undoes DeepSpeed's averaging
-    (it divides each micro-batch's loss by the accumulation steps and averages the ranks' gradients).
+    38). token-mean: n / N, N the in-mask tokens of the whole mini-batch (all micro-batches, all ranks): the loss is
+    the sum over the mini-batch's tokens divided by N, however it is split; times the accumulation steps and the
+    ranks, the factor that undoes DeepSpeed's averaging (of the micro-batches' losses and of the ranks' gradients).
     micro-batch-mean: 1, DeepSpeed's average of the micro-batches' means (DeepSpeed-Chat and TRL)."""
     if args.loss_aggregation != "token-mean":
         return 1.0
@@ -661,9 +613,8 @@ def loss_weight(mask: torch.Tensor, mini_batch_tokens: torch.Tensor, args: Args)
     return mask.bool().sum() * undo_deepspeed_average / mini_batch_tokens.clamp(min=1)
 
 def adapted_kl_coef(kl_coef: float, kl: torch.Tensor, valid: torch.Tensor, args: Args) -> float:
-    """Ziegler et al.'s adaptive controller (rlhf_math.adaptive_kl_coef): beta grows when the mean KL per valid
-    response, all ranks together, overshoots --target-kl, and shrinks below it. kl [B, R]; unchanged with no valid
-    response, and without --target-kl."""
+    """Ziegler et al.'s adaptive controller (rlhf_math.adaptive_kl_coef) on the mean KL per valid response, all ranks
+    together (kl [B, R]); beta unchanged with no valid response, and without --target-kl."""
     if args.target_kl is None:
         return kl_coef
     kl_sum, num_valid = plumbing.sum_over_ranks({"kl": kl.sum(dim=1).sum(), "valid": valid.sum()}).values()
@@ -676,9 +627,8 @@ def adapted_kl_coef(kl_coef: float, kl: torch.Tensor, valid: torch.Tensor, args:
 # The four DeepSpeed engines, as DeepSpeed-Chat's RLHF engine builds them: one config and one ZeRO stage each.
 # ---------------------------------------------------------------------------------------------------------------
 def zero_stages(args: Args) -> dict[str, int]:
-    """Each model's ZeRO stage. The reference follows the actor's and the reward model the critic's, but only ZeRO-3 is
-    worth anything to a model without gradients or optimizer (it shards the parameters), so both are ZeRO-3 or plain
-    (DeepSpeed-Chat's rule). Their own offload keeps their parameters in CPU memory, which needs ZeRO-3."""
+    """Each model's ZeRO stage (DeepSpeed-Chat's rule): the reference follows the actor's, the reward model the
+    critic's, as ZeRO-3 (all that shards a frozen model) or plain; their own offload to CPU memory needs ZeRO-3."""
     return {"actor": args.actor_zero_stage, "critic": args.critic_zero_stage,
             "reference": 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0,
             "reward": 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0}
@@ -724,11 +674,9 @@ def build_engines(args: Args, critic_path: str):
 def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
     """One model's DeepSpeed config. Trained models get gradient accumulation and clipping (their optimizer and
     scheduler are passed to deepspeed.initialize); frozen ones only run forward passes."""
-    # ZeRO-3 keeps no small parameter whole on every rank (DeepSpeed-Chat keeps those under 10k elements, norms and
-    # biases): each one kept whole costs an all-gather of its own after every optimizer step, while a partitioned one
-    # comes in the coalesced all-gather that prefetches its layer's weights.
-    # memory_efficient_linear off: otherwise loading a ZeRO-3 model replaces torch.nn.functional.linear, for the
-    # whole process and every model in it, with a slower autograd function.
+    # ZeRO-3 keeps no small parameter whole on every rank (DeepSpeed-Chat keeps norms and biases): each costs an
+    # all-gather of its own after every step, where a partitioned one comes in its layer's coalesced prefetch.
+    # memory_efficient_linear off: else ZeRO-3 replaces torch.nn.functional.linear, process-wide, by a slower one.
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False}
     if offload and trained:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -744,14 +692,12 @@ def deepspeed_config(stage: int, trained: bool, offload: bool, args) -> dict:
 
 def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, learning_rate: float | None = None,
                 gradient_checkpointing: bool = False, lora_dim: int = 0, lora_learning_rate: float = 0.0):
-    """Load a model and wrap it in its DeepSpeed engine: with an optimizer and a learning-rate schedule when a
-    learning rate is given (actor, critic), frozen and without gradients otherwise (reference, reward, EMA). With
-    lora_dim > 0 it gets LoRA adapters first. Every weight must load (plumbing.load_pretrained)."""
+    """A model (every weight must load) in its DeepSpeed engine, with LoRA adapters if lora_dim > 0: with an optimizer
+    and a learning-rate schedule if given a learning rate (actor, critic), else frozen (reference, reward, EMA)."""
     # Under ZeRO-3, HfDeepSpeedConfig (alive while from_pretrained runs) loads the weights already partitioned.
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     config = plumbing.model_config(path, args.disable_dropout, args.trust_remote_code)
-    # Loaded in the precision the engine trains in (fp32 unless its config says bf16 or fp16), not in the checkpoint's:
-    # transformers would otherwise keep an fp16 checkpoint in fp16 in an fp32 run.
+    # Loaded in the engine's precision, not the checkpoint's (transformers would keep an fp16 one in fp16).
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
         else torch.float32
     # A critic from a causal LM (the actor, when the reward model reads other tokens) gets a fresh 1-label head; a
@@ -796,8 +742,7 @@ def check_score_head(model, path: str, flag: str) -> None:
 # Checks of the arguments, models and numbers: a mistake stops the run with one line that says what to fix.
 # ---------------------------------------------------------------------------------------------------------------
 def check_args(args: Args) -> None:
-    """Bad flags stop the script here, with a message that names them, before anything is loaded. The ranges are
-    read from the fields' annotations (PositiveInt, Fraction, ...)."""
+    """Bad flags stop the run before anything loads, with a line that names them (ranges: the fields' annotations)."""
     plumbing.check_ranges(args)
     if args.missing_eos_penalty is not None and not 0 < args.missing_eos_penalty <= args.clip_score:
         plumbing.fail(f"--missing-eos-penalty {args.missing_eos_penalty} must be in (0, --clip-score "
@@ -820,9 +765,8 @@ def check_args(args: Args) -> None:
         plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
 
 def check_models(args: Args, is_main: bool):
-    """The three model folders and their tokenizers, checked before any model loads. Returns the actor's tokenizer,
-    which pads prompts on the left (its pad token must not be EOS: stage 1 makes sure), the reward model's when it
-    is another (else None), and the critic's folder. Prompt + response must fit the model's positions."""
+    """The model folders and tokenizers, checked before any model loads: the actor's tokenizer (left padding), the
+    reward model's if it is another (else None), and the critic's folder."""
     plumbing.check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
     plumbing.check_model_folder(args.reward_model_name_or_path,
                                 "run reward_model.py first or check --reward-model-name-or-path")
@@ -864,18 +808,18 @@ def check_not_saved_by_ppo(path: str, flag: str) -> None:
                       "not by reward_model.py: a critic's values are no reward; give reward_model.py's output folder")
 
 def check_normalization(config, actor_identity: str, args: Args) -> None:
-    """reward_model.py measured reward_mean and reward_std on one policy's responses, sampled at one temperature and
-    length (its config's reward_normalization). With another actor or sampling the scores do not start at mean 0 and
-    std 1, and --clip-score and --kl-coef act on another scale: rank 0 says so. actor_identity: the actor folder's
-    plumbing.folder_identity, as start_run read it. A config without reward_std (not reward_model.py's): said too."""
-    measured = getattr(config, "reward_normalization", None)
-    if measured is not None and not isinstance(measured, dict):
-        measured = {}  # not reward_model.py's: every setting below is said to differ
-    if dist.get_rank() == 0 and not hasattr(config, "reward_std"):
+    """Rank 0 says when the reward model's config has no reward_mean and reward_std, or when reward_model.py measured
+    them (its reward_normalization) on another policy's responses (actor_identity: start_run's folder_identity of the
+    actor) or at another temperature or length: the scores then do not start at mean 0 and std 1."""
+    if dist.get_rank() != 0:
+        return
+    if not hasattr(config, "reward_std"):
         print("the reward model's config has no reward_mean and reward_std (not saved by reward_model.py): scores "
               "are used unnormalized")
-    if measured is None or dist.get_rank() != 0:
+    measured = getattr(config, "reward_normalization", None)
+    if measured is None:
         return
+    measured = measured if isinstance(measured, dict) else {}  # not reward_model.py's: every setting differs
     this = {"policy_identity": actor_identity, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     differ = [f"--actor-model-name-or-path {args.actor_model_name_or_path!r} (measured on {measured.get('policy')!r})"
               if key == "policy_identity" else
@@ -898,9 +842,8 @@ def check_finite_rollout(response_mask, logprobs, ref_logprobs, values, scores, 
 
 def check_update(new_logprobs, mb: dict, pg_loss, vf_loss, first_step: bool, iteration: int, args: Args) -> None:
     """A NaN loss stops the run instead of training on it. And before the first optimizer step (first_step) the
-    policy is the one that sampled: in fp32 every log-prob equals the rollout's, bit for bit, on one rank or several,
-    ZeRO-3 included. If not, the update computes them differently (dropout on, another temperature, a
-    nondeterministic kernel)."""
+    policy is the one that sampled: in fp32 every log-prob equals the rollout's, bit for bit (ZeRO-3 and several
+    ranks included); if not, the update computes them differently (dropout, temperature, a nondeterministic kernel)."""
     mask = mb["mask"].bool()
     if first_step and args.dtype == "fp32" and not torch.equal(new_logprobs[mask], mb["logprobs"][mask]):
         gap = (new_logprobs - mb["logprobs"])[mask].abs().max().item()
@@ -932,10 +875,9 @@ RUNTIME_FIELDS = ["world_size", "batch_size", "per_device_mini_batch_size", "gra
 STATE_TYPES = {"iteration": int, "kl_coef": (int, float), "actor": dict, "critic": dict, "args": dict}
 
 def start_run(args: Args) -> dict:
-    """Rank 0's checks of the output folder before anything loads (plumbing.claim_output_dir), and the run they lead
-    to: a new run, or with --resume the unfinished one in OUTPUT_DIR, whose settings must not have changed
-    (plumbing.changed_settings). Returns the run's name (its runs/ folder), its metrics.jsonl and the checkpoints to
-    resume from, newest first. Nothing is written but the claim: a new run's record waits for start_logging."""
+    """Rank 0's checks of the output folder before anything loads, and the run: a new one, or with --resume the
+    unfinished one in OUTPUT_DIR, with unchanged settings. Returns its name (runs/RUN_NAME), its metrics.jsonl and
+    the checkpoints to resume from, newest first. Nothing is written but the claim (plumbing.claim_output_dir)."""
     inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
@@ -945,8 +887,7 @@ def start_run(args: Args) -> dict:
     record = record if record.get("script") == "ppo.py" else {}
     plumbing.claim_output_dir(args.output_dir, inputs, args.overwrite, OUTPUT_SUBFOLDERS)
     checkpoint_dir = os.path.join(args.output_dir, "resume")
-    # The checkpoints of the folder's run: one whose state.json does not read stays (load_checkpoint says why it skips
-    # it), as does one written before checkpoints named their run.
+    # The checkpoints of the folder's run (one whose state.json does not read stays: load_checkpoint says why).
     checkpoints = [checkpoint for checkpoint in plumbing.complete_checkpoints(checkpoint_dir) if record and
                    (read_state(checkpoint) or {}).get("run_name", record.get("run_name")) == record.get("run_name")]
     if args.resume:
@@ -974,7 +915,12 @@ def start_run(args: Args) -> dict:
             plumbing.fail(f"--resume: {replaced[0]} {inputs[replaced[0]]!r} does not hold the model the run started "
                           "from (its files differ); name that model's folder, wherever it is now")
         run_name = record["run_name"]
-        metrics_file = metrics_file_of(record, run_name)
+        # The metrics.jsonl it continues: the one its record names if that is the run's (else, said, one here).
+        named = plumbing.run_metrics_file(record)
+        metrics_file = named or os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
+        if named is None:
+            print(f"the run's record names {record.get('metrics_file')!r} as its metrics file, which is no "
+                  f"runs/{run_name}/metrics.jsonl file: left alone; the metrics go to {metrics_file}")
         plumbing.make_run_dir(run_name)
     else:
         if checkpoints and not record.get("finished") and not args.overwrite:
@@ -997,20 +943,9 @@ def read_state(checkpoint: str) -> dict | None:
             return state
     return None
 
-def metrics_file_of(record: dict, run_name: str) -> str:
-    """The metrics.jsonl a resumed run continues (and rewrites, up to its checkpoint): the one the folder's record
-    names if that is the run's (plumbing.run_metrics_file), else, said, a new one in runs/RUN_NAME here."""
-    here = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
-    named = plumbing.run_metrics_file(record)
-    if named is None:
-        print(f"the run's record names {record.get('metrics_file')!r} as its metrics file, which is no "
-              f"runs/{run_name}/metrics.jsonl file: left alone; the metrics go to {here}")
-    return named or here
-
 def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, device):
-    """--resume: the engines, built as at the start, take the weights and optimizer states of the newest checkpoint
-    that reads whole (plumbing.checkpoint_problem); returns its iteration, its KL coefficient and this rank's last
-    valid batch (None from a checkpoint written before checkpoints kept it)."""
+    """--resume: the engines take the weights and optimizer states of the newest checkpoint that reads whole; returns
+    its iteration, its KL coefficient and this rank's last valid batch (None from a checkpoint without one)."""
     is_main = dist.get_rank() == 0
     engines = {"actor": actor, "critic": critic, **({"actor_ema": ema} if ema is not None else {})}
     for resume_dir in checkpoints:
@@ -1040,9 +975,8 @@ def load_checkpoint(checkpoints: list[str], actor, critic, ema, args: Args, devi
     return state["iteration"], state["kl_coef"], last_valid
 
 def state_problem(checkpoint: str, state: dict, actor, critic, args: Args) -> str | None:
-    """Why a checkpoint's state (read_state's) cannot continue this run, or None: its iteration must be one of the
-    run's, the optimizer's and the scheduler's states those of the engines (plumbing.same_layout), each rank's last
-    valid batch a rollout's tensors."""
+    """Why a checkpoint's state (read_state's) cannot continue this run, or None: an iteration not the run's,
+    optimizer or scheduler states not the engines' (plumbing.same_layout), a last valid batch not a rollout's."""
     if not 1 <= state["iteration"] <= args.num_iterations:
         return f"its iteration {state['iteration']} is not one of the run's 1 to {args.num_iterations}"
     for name, engine in [("actor", actor), ("critic", critic)]:
@@ -1069,10 +1003,9 @@ def save_snapshot(actor, tokenizer, iteration: int, saved_by: dict, args: Args) 
 
 def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_valid, run_name: str,
                     args: Args) -> None:
-    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N: the training state of actor and critic (and the
-    EMA's weights), the iteration, the KL coefficient and each rank's last valid batch (for last_valid_batch),
-    written whole or not at all (plumbing.commit_checkpoint). Every rank takes part (ZeRO gathers) and writes its
-    batch; rank 0 writes the rest, and removes an earlier run's checkpoints."""
+    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N, written whole or not at all: the training state of
+    actor and critic (and the EMA's weights), the iteration, beta and each rank's last valid batch (every rank takes
+    part, ZeRO gathers); rank 0 writes the rest, and removes an earlier run's checkpoints."""
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
@@ -1103,9 +1036,8 @@ def save_checkpoint(iteration: int, kl_coef: float, actor, critic, ema, last_val
 # Logging: TRL's metric names (README, "Metrics"), to tensorboard, metrics.jsonl and, with --track, wandb.
 # ---------------------------------------------------------------------------------------------------------------
 def start_logging(run: dict, start_iteration: int, args: Args):
-    """Rank 0's tensorboard writer and metrics.jsonl of the run, with the hyperparameters as a table, once every input
-    has loaded; a new run's record replaces an earlier run's now. A resumed run continues its own logs: the events and
-    metrics lines after its checkpoint are dropped."""
+    """Rank 0's tensorboard writer and metrics.jsonl, once every input has loaded; a new run's record replaces an
+    earlier run's now. A resumed run continues its own logs, without the lines after its checkpoint."""
     if not args.resume:
         plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD), {
             "script": "ppo.py", "finished": False, "run_name": run["run_name"], "metrics_file": run["metrics_file"],
@@ -1143,9 +1075,8 @@ def add_update_sums(sums, new_logits, mask, pg_loss, vf_loss, pg_stats, vf_clipf
 
 def iteration_metrics(update_sums, rollout: dict, kl_coef: float, lr: float, iteration: int, times: dict,
                       args: Args) -> dict[str, float]:
-    """One iteration's metrics. Each figure is a mean over all ranks' responses or tokens (sums and counts are added
-    over the ranks, never a mean of the ranks' means); objective/ is over the valid responses, whose scores and KL
-    enter the rewards; the token statistics are over the update's in-mask tokens."""
+    """One iteration's metrics, each a mean over all ranks' responses or tokens (sums and counts added over the ranks):
+    objective/ over the valid responses, whose scores and KL enter the rewards; token statistics over the update's."""
     valid, scores, clip = rollout["valid"], rollout["scores"], args.clip_score
     with torch.no_grad():
         valid_scores = torch.where(valid, scores, 0.0)
@@ -1210,10 +1141,9 @@ def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer
 
 def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs, run: dict, args: Args,
                    **columns: torch.Tensor) -> None:
-    """--trace-every: on rank 0, one response of its batch position by position, with the loop's own tensors (COLUMNS,
-    [B, R] each), printed and appended to trace.jsonl beside metrics.jsonl. The first of the update's first mini-batch
-    (new log-probs FIRST_LOGPROBS before any optimizer step, NaN elsewhere) that stopped with EOS before the length
-    limit (--trace-response stopped) or was cut at it (cut), else the first."""
+    """--trace-every: on rank 0, one response position by position with the loop's tensors (COLUMNS, [B, R] each),
+    printed and appended to trace.jsonl: the first of the update's first mini-batch (FIRST_LOGPROBS, NaN elsewhere)
+    that stopped with EOS (--trace-response stopped) or was cut at the limit (cut), else the first."""
     if dist.get_rank() != 0 or not args.trace_every or iteration % args.trace_every:
         return
     mask = columns.pop("mask")
@@ -1246,20 +1176,12 @@ def trace_response(iteration: int, tokenizer, responses, scores, first_logprobs,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# DeepSpeed-Chat's extras, each off by default and called from one place: an EMA of the actor, InstructGPT's
-# pretraining mix, on a GPU the hybrid engine and fp16 overflow alignment, and LoRA (plumbing.add_lora; docs/extras.md).
+# DeepSpeed-Chat's extras, each off by default and called from one place (docs/extras.md; LoRA: plumbing.add_lora).
 # ---------------------------------------------------------------------------------------------------------------
-def load_pretraining_blocks(tokenizer, args: Args) -> torch.Tensor | None:
-    """PPO-ptx's text in blocks as long as a rollout's sequences: [blocks, P + R]; None without --unsup-dataset."""
-    return None if args.unsup_dataset is None else plumbing.load_text_blocks(
-        tokenizer, args.unsup_dataset, args.unsup_dataset_config, args.unsup_text_column,
-        args.max_prompt_len + args.max_new_tokens, args.per_device_train_batch_size)
-
 def init_ema(actor, args: Args):
-    """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation only:
-    frozen, ZeRO-3 when the actor is. A plain model (the actor's LoRA adapters are merged into it at every update),
-    in fp32 whatever --dtype: each step moves a weight by (1 - decay) = 0.8% of its gap to the actor's, mostly far
-    below bf16's resolution (0.4% of the weight), so in bf16 most steps would round away. It starts as the actor."""
+    """An exponential moving average of the actor's weights (DeepSpeed-Chat's --enable_ema), for evaluation: frozen,
+    ZeRO-3 when the actor is, LoRA merged in, and fp32 whatever --dtype (a step moves a weight by 0.8% of its gap to
+    the actor's, mostly below bf16's resolution of 0.4% of the weight, would round away). It starts as the actor."""
     ema_ds_config = deepspeed_config(3 if args.actor_zero_stage == 3 else 0, False, False, args)
     ema_ds_config["bf16"]["enabled"] = ema_ds_config["fp16"]["enabled"] = False
     ema = init_engine(AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
@@ -1269,9 +1191,8 @@ def init_ema(actor, args: Args):
 
 def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict, iteration: int, args: Args):
     """The pretraining mix (InstructGPT eq. 2, PPO-ptx): the objective adds gamma E_x~D_pretrain [log pi(x)], so the
-    actor's loss adds gamma times the language-modelling loss of a micro-batch of plain-text blocks, in the same
-    backward pass and optimizer step. Returns gamma times that loss (0 without --unsup-dataset: unsup_blocks None)
-    and adds the loss to the update's sums."""
+    actor's loss adds gamma times the language-modelling loss of a micro-batch of plain-text blocks (added to the
+    update's sums), in the same backward pass. Returns that term; 0 without --unsup-dataset (unsup_blocks None)."""
     if unsup_blocks is None:
         return 0.0
     blocks = unsup_blocks[torch.randint(len(unsup_blocks), (args.per_device_train_batch_size,))]
@@ -1285,15 +1206,11 @@ def pretraining_loss(actor, unsup_blocks: torch.Tensor | None, update_sums: dict
 @contextlib.contextmanager
 def aligned_overflow(actor, critic, enabled: bool):
     """--align-overflow (DeepSpeed-Chat's align_overflow), around the two engines' step() calls. In fp16 an optimizer
-    whose gradients overflow skips its step (and lowers its loss scale), so actor and critic could drift apart by a
-    step. At the end of an accumulation both are checked, and the one that did not overflow is made to see an
-    overflow for this one step: it takes DeepSpeed's own skip path (no update, no scheduler step, gradients
-    cleared), keeping its loss scale. (DeepSpeed-Chat sets optimizer.skip_step and calls
-    check_overflow(external=True); DeepSpeed 0.19 has neither.)
-
-    DeepSpeed has no public API for this: it shadows the optimizers' private overflow checks (has_overflow, check,
-    check_using_norm, _update_scale) for one step. Checked with DeepSpeed 0.19.8, ZeRO 0 to 3
-    (test_align_overflow_skips_both_steps)."""
+    whose gradients overflow skips its step, so actor and critic could drift apart by a step. At the end of an
+    accumulation, the one that did not overflow is made to see an overflow for this one step and takes DeepSpeed's
+    own skip path (no update, no scheduler step, gradients cleared, its loss scale kept). DeepSpeed 0.19 has no API
+    for it (DeepSpeed-Chat's skip_step and check_overflow(external=True) are gone): the optimizers' private overflow
+    checks are shadowed for one step. Checked with DeepSpeed 0.19.8, ZeRO 0-3 (test_align_overflow_skips_both_steps)."""
     if not enabled or not actor.is_gradient_accumulation_boundary():
         yield
         return
@@ -1318,9 +1235,8 @@ def aligned_overflow(actor, critic, enabled: bool):
 
 def update_ema(ema, actor, decay: float) -> None:
     """ema = decay * ema + (1 - decay) * actor for every weight (rlhf_math.ema_update), from the actor's fp32 master
-    weights, each LoRA adapter merged into the weight it adapts (plumbing.merged_master_weight: the average of the
-    merged weights, not the product of averaged factors). Under ZeRO-3 the EMA's new value goes back to the ranks'
-    partitions (modifier_rank). Nothing without an EMA (None)."""
+    weights with each LoRA adapter merged in (plumbing.merged_master_weight); under ZeRO-3 the new value goes back to
+    the ranks' partitions (modifier_rank). Nothing without an EMA (None)."""
     if ema is None:
         return
     with torch.no_grad():

@@ -2,8 +2,8 @@
 
 A run of one or two iterations is recorded: at every optimizer step of actor and critic, the weights before the step,
 the gradient it applies, its learning rate and its mini-batch's rows, and once per iteration the rollout's tensors. The
-recorder reads them from the loop's own variables (the loop is inline in ppo.py's __main__) and saves them, one file per
-rank, when the run ends. The tests recompute each of them from the models' weights and the run's flags, calling
+recorder takes them from the values the loop passes to helpers it calls anyway (install_recorder), as ppo.main runs,
+and saves them, one file per rank, when the run ends. The tests recompute each of them from the models' weights and the run's flags, calling
 rlhf_math (checked by hand in test_rlhf_math.py) and ppo.py's forward passes (checked row by row in test_ppo.py) with
 every argument named: the log-probs of actor and reference, the values, the scores, the rewards and KL, the advantages
 and returns, each step's gradient from the definition of the loss (every in-mask token of a mini-batch, all ranks
@@ -13,7 +13,6 @@ together, weighs the same, or every micro-batch does), each AdamW step, and ever
 
 import glob
 import json
-import runpy
 import shutil
 import sys
 
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import plumbing
@@ -31,16 +31,59 @@ from test_ppo import read_metrics
 from test_sft_and_reward_model import run, run_in_process
 
 ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "returns", "mask"]  # ppo.py's rollout
-PER_ITERATION = ["P", "scores", "ref_logprobs", "rewards", "kl", "valid", "response_mask", "contains_eos", "kl_coef",
-                 "gae_advantages"]
 
 
 def install_recorder(set_attribute, path):
-    """Record what the loop computes (module docstring) into PATH.rankN when the run ends (plumbing.end_run).
+    """Record what the loop computes (module docstring) into PATH.rankN when the run ends (plumbing.end_run), from
+    the values the loop passes to helpers it calls anyway, each replaced by one that records and calls the original:
+    ppo.sample (the sampling config where it is used), ppo.last_valid_batch (the rollout, its P and the batch the
+    update trains on), ppo.trace_response and ppo.iteration_metrics (the rest of the rollout), ppo.build_engines
+    (which engine is the actor) and ppo.tokens_per_mini_batch (each epoch's mini-batches: the k-th optimizer step of
+    an engine in an epoch trains on its k-th). At every optimizer step of actor and critic (DeepSpeedEngine.step at an
+    accumulation boundary) the weights before the step, the gradient it applies and its learning rates.
     set_attribute: monkeypatch.setattr in this process, setattr in a rank of its own. The pretraining mix's blocks
     are the input_ids of the trained models' forward passes that are given labels (pretraining_loss's), each
     optimizer step's in the order of its micro-batches."""
-    steps, rollouts, blocks = [], {}, []
+    steps, rollouts, blocks, loop = [], {}, [], {}
+
+    def recording(name, record):
+        original = getattr(ppo, name)
+
+        def recorded(*args, **kwargs):
+            result = original(*args, **kwargs)
+            record(result, *args, **kwargs)
+            return result
+        set_attribute(ppo, name, recorded)
+
+    def engines(result, *_):
+        loop["actor"] = result[0]
+
+    def sampled(result, model, prompt_ids, prompt_mask, config, synced):
+        loop["sampling"] = config.to_dict()
+
+    def update_batch(result, rollout, P, valid, last_valid, iteration, rank, args):
+        # The batch the update trains on: this iteration's rollout or, when none of its responses is valid, the last
+        # valid one (DeepSpeed-Chat's fallback).
+        batch = iteration if result[0] is rollout else max(i for i, r in rollouts.items() if r["valid"].any())
+        rollouts[iteration] = {**{name: rollout[name].clone() for name in ROLLOUT}, "P": P, "valid": valid.clone(),
+                               "sampling": loop.pop("sampling")}
+        loop.update(iteration=iteration, batch=batch)
+
+    def traced(result, iteration, tokenizer, responses, scores, first_logprobs, run, args, **columns):
+        rollouts[iteration].update(ref_logprobs=columns["ref_logprob"].clone(), rewards=columns["reward"].clone(),
+                                   gae_advantages=columns["advantage"].clone())
+
+    def logged(result, update_sums, rollout_stats, kl_coef, lr, iteration, times, args):
+        rollouts[iteration].update(kl_coef=kl_coef, **{name: rollout_stats[name].clone() for name in [
+            "scores", "kl", "response_mask", "contains_eos"]})
+
+    def epoch(result, mask, mini_batches):
+        loop.update(mini_batches=[rows.clone() for rows in mini_batches], steps_in_epoch={"actor": 0, "critic": 0})
+
+    for name, record in [("build_engines", engines), ("sample", sampled), ("last_valid_batch", update_batch),
+                         ("trace_response", traced), ("iteration_metrics", logged),
+                         ("tokens_per_mini_batch", epoch)]:
+        recording(name, record)
     engine_step = deepspeed.runtime.engine.DeepSpeedEngine.step
     initialize_engine = plumbing.initialize_engine
 
@@ -53,21 +96,13 @@ def install_recorder(set_attribute, path):
         return engine
 
     def step(engine, *args, **kwargs):
-        loop = sys._getframe(1).f_globals  # ppo.py's __main__, when the loop calls actor.step() or critic.step()
-        if loop.get("__name__") == "__main__" and "mini_batches" in loop and engine.is_gradient_accumulation_boundary():
-            iteration = loop["iteration"]
-            if iteration not in rollouts:
-                rollouts[iteration] = {**{name: loop["rollout"][name].clone() for name in ROLLOUT},
-                                       **{name: loop[name] for name in PER_ITERATION},
-                                       "sampling": loop["actor"].module.generation_config.to_dict()}
-            # The batch the update trains on: this iteration's rollout or, when none of its responses is valid, the
-            # last valid one (DeepSpeed-Chat's fallback).
-            batch = iteration if loop["batch"] is loop["rollout"] else \
-                max(i for i, r in rollouts.items() if r["valid"].any())
+        if engine.is_gradient_accumulation_boundary():
+            model = "actor" if engine is loop["actor"] else "critic"
+            k = loop["steps_in_epoch"][model]
+            loop["steps_in_epoch"][model] += 1
             module = engine.module
-            steps.append({"model": "actor" if engine is loop["actor"] else "critic", "iteration": iteration,
-                          "batch": batch,
-                          "rows": loop["mini_batches"][loop["mini_batch_index"]].clone(),
+            steps.append({"model": model, "iteration": loop["iteration"], "batch": loop["batch"],
+                          "rows": loop["mini_batches"][k],
                           "lrs": [group["lr"] for group in engine.optimizer.param_groups],
                           "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
                           "grads": {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None},
@@ -540,5 +575,4 @@ def test_two_ranks_every_call_site(stages, critic_start, tmp_path, monkeypatch, 
 
 if __name__ == "__main__":  # one rank of a recorded run: ppo.py, as the launcher started it, with the recorder
     install_recorder(setattr, sys.argv[sys.argv.index("--output-dir") + 1])
-    sys.argv[0] = "ppo.py"
-    runpy.run_path("ppo.py", run_name="__main__")
+    ppo.main(tyro.cli(ppo.Args))
