@@ -219,28 +219,28 @@ def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: boo
              f"needs an EOS and a pad token; set them and save it, or {hint}")
     return other
 
-def reward_model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
-                        reward_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Prompt + response [B, P + R] as the reward model reads them: unchanged when it has the actor's tokenizer
-    (reward_tokenizer None); otherwise each prompt and response decoded to text and tokenized again as
-    reward_model.py tokenizes its data (EOS appended where the response has one; the actor's special tokens are
-    not carried over), left- and right-padded again -> (sequences [B, P' + R'], attention_mask, P')."""
-    if reward_tokenizer is None:
+def retokenized(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
+                other_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompt + response [B, P + R] in TOKENIZER's tokens as a model with OTHER_TOKENIZER reads them: unchanged if it is
+    None (the same tokens); else each prompt and response decoded to text and tokenized again as the stages tokenize
+    their data (EOS appended where the response has one; special tokens not carried over), left- and right-padded
+    again -> (sequences [B, P' + R'], attention_mask, P')."""
+    if other_tokenizer is None:
         return sequences, attention_mask, prompt_len
     prompts, responses = [], []
     for ids, mask in zip(sequences, attention_mask.bool()):
         prompt, response = ids[:prompt_len][mask[:prompt_len]], ids[prompt_len:][mask[prompt_len:]]
-        prompts.append(reward_tokenizer(tokenizer.decode(prompt, skip_special_tokens=True),
+        prompts.append(other_tokenizer(tokenizer.decode(prompt, skip_special_tokens=True),
                                         split_special_tokens=True)["input_ids"])
-        eos = [reward_tokenizer.eos_token_id] if (response == tokenizer.eos_token_id).any() else []
+        eos = [other_tokenizer.eos_token_id] if (response == tokenizer.eos_token_id).any() else []
         text = tokenizer.decode(response, skip_special_tokens=True)
         # A response of special tokens only, without EOS, decodes to nothing: its score is read at an EOS.
-        responses.append(reward_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-                         + eos or [reward_tokenizer.eos_token_id])
-    P, R, pad = max(map(len, prompts)), max(map(len, responses)), reward_tokenizer.pad_token_id
-    if P + R > reward_tokenizer.model_max_length:
-        fail(f"a prompt + response is {P + R} tokens for the reward model, more than its tokenizer's "
-             f"model_max_length {reward_tokenizer.model_max_length}; lower --max-prompt-len or --max-new-tokens")
+        responses.append(other_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                         + eos or [other_tokenizer.eos_token_id])
+    P, R, pad = max(map(len, prompts)), max(map(len, responses)), other_tokenizer.pad_token_id
+    if P + R > other_tokenizer.model_max_length:
+        fail(f"a prompt + response is {P + R} tokens for {other_tokenizer.name_or_path!r}, more than its tokenizer's "
+             f"model_max_length {other_tokenizer.model_max_length}; lower --max-prompt-len or --max-new-tokens")
     rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
     masks = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
     return torch.tensor(rows, device=sequences.device), torch.tensor(masks, device=sequences.device), P

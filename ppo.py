@@ -562,8 +562,8 @@ def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
     """The normalized score (r(x, y) - mean) / std of each prompt + response, [B, P + R] -> [B]: the reward model's
     head at the last in-mask response position (the EOS, or the last token of a cut response), where
     rlhf_math.per_token_rewards lands it; with a tokenizer of its own, on the text tokenized again."""
-    sequences, attention_mask, prompt_len = plumbing.reward_model_inputs(sequences, attention_mask, prompt_len,
-                                                                         tokenizer, reward_tokenizer)
+    sequences, attention_mask, prompt_len = plumbing.retokenized(sequences, attention_mask, prompt_len, tokenizer,
+                                                                 reward_tokenizer)
     token_scores = head_at_every_position(model, sequences, attention_mask)[:, prompt_len:]
     last = attention_mask[:, prompt_len:].sum(dim=1) - 1
     return (token_scores[torch.arange(len(token_scores), device=token_scores.device), last] - mean) / std

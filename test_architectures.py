@@ -210,12 +210,12 @@ def test_reward_model_with_its_own_tokenizer(tmp_path, capsys):
     P = max(map(len, prompts))
     sequences = torch.tensor([[pad] * (P - len(p)) + p + r for p, r in zip(prompts, responses)])
     attention_mask = (sequences != pad).long()
-    reward_sequences, reward_mask, reward_P = plumbing.reward_model_inputs(sequences, attention_mask, P, tokenizer,
-                                                                      reward_tokenizer)
-    assert plumbing.reward_model_inputs(sequences, attention_mask, P, tokenizer, None) == (sequences, attention_mask, P)
+    reward_sequences, reward_mask, reward_P = plumbing.retokenized(sequences, attention_mask, P, tokenizer,
+                                                                   reward_tokenizer)
+    assert plumbing.retokenized(sequences, attention_mask, P, tokenizer, None) == (sequences, attention_mask, P)
     reward_tokenizer.model_max_length = 16  # shorter than these texts in its tokens: a message, not an index error
     with pytest.raises(SystemExit, match="more than its tokenizer's model_max_length 16; lower --max-prompt-len"):
-        plumbing.reward_model_inputs(sequences, attention_mask, P, tokenizer, reward_tokenizer)
+        plumbing.retokenized(sequences, attention_mask, P, tokenizer, reward_tokenizer)
     reward_tokenizer.model_max_length = 256
     with torch.no_grad():
         scores = ppo.reward_scores(reward, reward_sequences, reward_mask, reward_P, mean=0.5, std=2.0)

@@ -8,9 +8,11 @@ import dataclasses
 import functools
 import glob
 import inspect
+import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -30,7 +32,9 @@ import benchmark
 import evaluate
 import plumbing
 import ppo
+import reward_model
 import rlhf_math
+import sft
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
@@ -346,10 +350,12 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     (out / "snapshots" / "mine").mkdir()
     plumbing.remove_earlier_runs(str(out / "snapshots"), second["run_name"], plumbing.read_record)
     assert os.listdir(out / "snapshots") == ["mine"]
-    # Every setting that may change is named in --resume's help.
-    help_text = " ".join(inspect.getsource(ppo.Args).split("resume: bool = False")[1].split('"""')[1].split())
-    for name in set(ppo.RESUME_MAY_CHANGE) - {"resume", "overwrite", "local_rank"}:
-        assert f"--{name.replace('_', '-')}" in help_text, name
+    # Every setting that may change is named in --resume's help (`python ppo.py --help`, its entry up to the next).
+    with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit):
+        tyro.cli(ppo.Args, args=["--help"])
+    help_text = " ".join(printed.getvalue().split()).split("--resume, --no-resume")[1].split("--overwrite, ")[0]
+    named = set(re.findall(r"--([a-z-]+[a-z])", help_text))
+    assert {name.replace("_", "-") for name in ppo.RESUME_MAY_CHANGE} - {"resume", "overwrite", "local-rank"} <= named
     for run_name in {first["run_name"], second["run_name"]}:
         shutil.rmtree(os.path.join("runs", run_name))
 
@@ -998,7 +1004,7 @@ def test_zero_stages_over_zero0_pair_iterations_next_to_each_other():
         "rollout": 2.0, "update": 3.0, "iteration": 2.0}
 
 
-def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3():
+def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3(monkeypatch):
     """ppo.zero_stages: the reference is ZeRO-3 with the actor or with its own offload, the reward model with the critic
     or its own offload, else plain (DeepSpeed-Chat's rule). Each stage asks plumbing.init_distributed for one OpenMP
     thread in gloo's threads when one of its models is under ZeRO-3 (test_plumbing checks what init_distributed does)."""
@@ -1010,11 +1016,23 @@ def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3()
     assert stages(critic_zero_stage=3) == [0, 0, 3, 3]
     assert stages(offload_reference_model=True) == [0, 3, 0, 0]
     assert stages(offload_reward_model=True) == [0, 0, 0, 3]
-    for script, call in [("ppo.py", "init_distributed(args, zero3=3 in zero_stages(args).values())"),
-                         ("sft.py", "init_distributed(args, zero3=args.zero_stage == 3)"),
-                         ("reward_model.py", "init_distributed(args, zero3=args.zero_stage == 3)")]:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), script)) as f:
-            assert call in f.read(), script
+    # What each stage's main passes to init_distributed, its first call after the flags' checks (stopped there).
+    asked = []
+
+    def init_distributed(args, zero3):
+        asked.append(zero3)
+        raise InterruptedError
+
+    monkeypatch.setattr(plumbing, "init_distributed", init_distributed)
+    for script, flags, zero3 in [(ppo, {}, False), (ppo, {"actor_zero_stage": 2, "critic_zero_stage": 2}, False),
+                                 (ppo, {"actor_zero_stage": 3}, True), (ppo, {"critic_zero_stage": 3}, True),
+                                 (ppo, {"offload_reference_model": True}, True),
+                                 (ppo, {"offload_reward_model": True}, True), (sft, {}, False),
+                                 (sft, {"zero_stage": 3}, True), (reward_model, {}, False),
+                                 (reward_model, {"zero_stage": 3}, True)]:
+        with pytest.raises(InterruptedError):
+            script.main(script.Args(**flags))
+        assert asked.pop() is zero3, (script.__name__, flags)
 
 
 def test_processes_take_turns(tmp_path):
