@@ -47,17 +47,26 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     these are the log-probs of the distribution the tokens were actually drawn from.
     log pi(a) = z_a - log sum_v exp(z_v), with z = logits / temperature.
     """
-    z = logits.float() / temperature
-    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    # One sequence at a time: the float32 z of a whole batch is [B, T, V], 5 GB at a 152k vocabulary and 64 x 128
+    # tokens; one sequence's is 78 MB. Under autograd each sequence's z is kept for the backward pass (logsumexp's
+    # gradient reads it), one float32 copy of the batch in all; what shrinks there is the transient copies.
+    logprobs = []
+    for sequence_logits, sequence_tokens in zip(logits.split(1), tokens.split(1)):  # [1, T, V], [1, T]
+        z = sequence_logits.float() / temperature
+        logprobs.append(z.gather(-1, sequence_tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1))
+    return torch.cat(logprobs)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the softmax at each position, H = logsumexp(z) - sum_v softmax(z)_v z_v, z = logits / temperature.
 
-    logits [B, T, V] -> [B, T], float32.
+    logits [B, T, V] -> [B, T], float32; one sequence at a time, as logprobs_from_logits.
     """
-    z = logits.float() / temperature
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    entropies = []
+    for sequence_logits in logits.split(1):  # [1, T, V]
+        z = sequence_logits.float() / temperature
+        entropies.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(entropies)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,16 +86,33 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of x over the positions where mask is 1 (a scalar), with Bessel's correction n / (n - 1) by default.
 
-    Raises ValueError when the unbiased variance is undefined (fewer than two positions in the mask).
+    Where the unbiased variance is undefined (fewer than two positions in the mask) it is 1, the rule of
+    mean_var_from_moments.
     """
     mean = masked_mean(x, mask)
     variance = masked_mean((x - mean) ** 2, mask)
     if unbiased:
         n = mask.bool().sum()
         if n < 2:
-            raise ValueError(f"masked_var needs at least 2 positions in the mask to be unbiased, got {int(n)}")
+            return torch.ones_like(variance)
         variance = variance * n / (n - 1)
     return variance
+
+
+def mean_var_from_moments(
+    n: torch.Tensor, total: torch.Tensor, total_squares: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of numbers given by their count n, sum and sum of squares (float64 scalars, which
+    can be added up over ranks first): mean = total / n, var = (total_squares - n mean^2) / (n - 1), clamped at 0
+    against rounding; both float32.
+
+    The one rule for fewer than two numbers (n < 2), where the unbiased variance is undefined: (0, 1), with which
+    masked_whiten changes nothing. masked_var and masked_whiten's own statistics follow it too.
+    """
+    if n < 2:
+        return torch.zeros((), device=n.device), torch.ones((), device=n.device)
+    mean = total / n
+    return mean.float(), ((total_squares - n * mean**2).clamp(min=0) / (n - 1)).float()
 
 
 def masked_whiten(
@@ -99,10 +125,14 @@ def masked_whiten(
     """Whitening over the masked positions: (x - mean) / sqrt(var + eps); masked-out positions become 0.
 
     With shift_mean=False the mean is added back, so only the scale changes (used for rewards, whose sign matters).
-    mean and var are the masked mean and unbiased variance of x, or `stats` = (mean, var) when given (those of a
-    larger batch that x is part of, e.g. all ranks' together). x, mask [B, R] -> [B, R].
+    mean and var are the masked mean and unbiased variance of x, (0, 1), which whitens nothing, with fewer than two
+    positions in the mask (mean_var_from_moments' rule), or `stats` = (mean, var) when given (those of a larger
+    batch that x is part of, e.g. all ranks' together). x, mask [B, R] -> [B, R].
     """
-    mean, var = stats if stats is not None else (masked_mean(x, mask), masked_var(x, mask))
+    if stats is None:
+        enough = mask.bool().sum() >= 2
+        stats = (masked_mean(x, mask), masked_var(x, mask)) if enough else (x.new_zeros(()), x.new_ones(()))
+    mean, var = stats
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

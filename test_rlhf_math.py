@@ -67,6 +67,45 @@ def test_logprobs_from_logits_is_float32_close_to_float64(dtype):
     assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
 
 
+def whole_batch_logprobs(logits, tokens, temperature):
+    """The formula of logprobs_from_logits on the whole [B, T, V] batch at once, with its float32 copy of it all."""
+    z = logits.float() / temperature
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_from_logits_one_sequence_at_a_time_gives_the_same_bits(temperature):
+    # 3 sequences of 4 positions, 50 tokens: three chunks of one sequence each, two boundaries crossed.
+    # Bit for bit the whole batch's numbers, its gradient too (the PPO loss backpropagates through it); read
+    # from logits[:, :-1], a view that is not contiguous, as ppo.response_logits returns them.
+    torch.manual_seed(0)
+    full = torch.randn(3, 5, 50) * 3
+    tokens = torch.randint(0, 50, (3, 4))
+    upstream = torch.randn(3, 4)  # d loss / d logprob, a different weight for each position
+    leaf, whole_batch_leaf = full.clone().requires_grad_(), full.clone().requires_grad_()
+    logprobs = M.logprobs_from_logits(leaf[:, :-1], tokens, temperature)
+    whole_batch = whole_batch_logprobs(whole_batch_leaf[:, :-1], tokens, temperature)
+    assert torch.equal(logprobs, whole_batch)
+    (logprobs * upstream).sum().backward()
+    (whole_batch * upstream).sum().backward()
+    assert torch.equal(leaf.grad, whole_batch_leaf.grad)
+    # The same as the textbook log_softmax, which rounds (z - max) - log sum instead of z - (log sum + max).
+    reference = torch.log_softmax(full[:, :-1] / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert_close(logprobs.detach(), reference)
+    # bf16 logits: each sequence upcast on its own gives the bits of the whole batch upcast at once.
+    bf16 = full[:, :-1].bfloat16()
+    logprobs = M.logprobs_from_logits(bf16, tokens, temperature)
+    assert torch.equal(logprobs, whole_batch_logprobs(bf16, tokens, temperature))
+
+
+def test_entropy_from_logits_one_sequence_at_a_time_gives_the_same_bits():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 50) * 3
+    z = logits / 0.7
+    whole_batch = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    assert torch.equal(M.entropy_from_logits(logits, 0.7), whole_batch)
+
+
 def test_entropy_from_logits_by_hand():
     # Uniform over 3 tokens: H = log 3.
     # [1,2,1]/4: H = -(.25 log .25 + .5 log .5 + .25 log .25) = .5 log 4 + .5 log 2 = 1.5 log 2.
@@ -105,8 +144,45 @@ def test_masked_var_by_hand():
     # biased: 26.8 / 5 = 5.36; unbiased (Bessel): 26.8 / (5 - 1) = 6.7
     assert_close(M.masked_var(X, MASK), torch.tensor(6.7))
     assert_close(M.masked_var(X, MASK, unbiased=False), torch.tensor(5.36))
-    with pytest.raises(ValueError, match="at least 2"):
-        M.masked_var(X, t([1, 0, 0, 0], [0, 0, 0, 0]))
+    # Fewer than two positions: the unbiased variance, 0 / (1 - 1) for one position and 0 / (0 - 1) for none, has no
+    # meaning, so it is 1 (mean_var_from_moments' rule).
+    assert M.masked_var(X, t([1, 0, 0, 0], [0, 0, 0, 0])).item() == 1.0
+    assert M.masked_var(X, t([0, 0, 0, 0], [0, 0, 0, 0])).item() == 1.0
+
+
+def moments(x, mask):
+    """(n, sum, sum of squares) of x over the mask, in float64, as ppo.batch_mean_var adds them over the ranks."""
+    x = torch.where(mask.bool(), x.double(), 0.0)
+    return torch.stack([mask.sum().double(), x.sum(), (x**2).sum()])
+
+
+def test_mean_var_from_moments_by_hand():
+    # X in MASK: 1, 2 | 5, 6, 7 -> n = 5, sum = 21, sum of squares 1 + 4 + 25 + 36 + 49 = 115.
+    assert moments(X, MASK).tolist() == [5.0, 21.0, 115.0]
+    # mean = 21 / 5 = 4.2; var = (115 - 5 x 4.2^2) / (5 - 1) = (115 - 88.2) / 4 = 26.8 / 4 = 6.7, masked_var's 6.7.
+    mean, var = M.mean_var_from_moments(*moments(X, MASK))
+    assert mean.dtype == var.dtype == torch.float32
+    assert_close(mean, torch.tensor(4.2))
+    assert_close(var, torch.tensor(6.7))
+    assert_close(var, M.masked_var(X, MASK))
+    # Ranks add their moments: [5, 21, 115] + [2, 2, 2] (numbers 1 and 1) = [7, 23, 117]:
+    # mean 23 / 7, var (117 - 23^2 / 7) / 6 = (819 - 529) / 42 = 290 / 42 = 145 / 21
+    mean, var = M.mean_var_from_moments(*(moments(X, MASK) + moments(t([1.0, 1.0]), t([1, 1]))))
+    assert_close(mean, torch.tensor(23 / 7))
+    assert_close(var, torch.tensor(145 / 21))
+
+
+def test_mean_var_from_moments_rounding_and_fewer_than_two():
+    # Three numbers 0.1: variance 0, but in float64 the sum is 0.30000000000000004, the mean 0.10000000000000002, and
+    # 0.030000000000000006 - 3 x 0.10000000000000002^2 = -6.9e-18: below 0, so clamped to 0.
+    three = torch.full((3,), 0.1, dtype=torch.float64)
+    _, var = M.mean_var_from_moments(*moments(three, torch.ones(3)))
+    assert var.item() == 0.0
+    # One number 3 (n = 1, sum 3, sum of squares 9) or none: (0, 1), which whitens nothing.
+    for n, total, total_squares in [(1.0, 3.0, 9.0), (0.0, 0.0, 0.0)]:
+        mean, var = M.mean_var_from_moments(*torch.tensor([n, total, total_squares], dtype=torch.float64))
+        assert (mean.item(), var.item()) == (0.0, 1.0)
+        assert mean.dtype == var.dtype == torch.float32
 
 
 def test_masked_whiten_by_hand():
@@ -122,6 +198,21 @@ def test_masked_whiten_by_hand():
     stats = (torch.tensor(1.0), torch.tensor(16.0))
     assert_close(M.masked_whiten(x, mask, eps=0.0, stats=stats), t([0, 0.5, 0], [1, 0, 0]))
     assert_close(M.masked_whiten(x, mask, shift_mean=False, eps=0.0, stats=stats), t([1, 1.5, 0], [2, 0, 0]))
+
+
+def test_masked_whiten_with_fewer_than_two_positions_whitens_nothing():
+    # Its own statistics are then (0, 1), the rule of mean_var_from_moments: (3 - 0) / sqrt(1 + 0) = 3, and +0 for
+    # shift_mean=False; masked positions 0 as always. No position at all: all 0.
+    x = t([1, 3, 100], [5, -7, 9])
+    one = t([0, 1, 0], [0, 0, 0])
+    none = t([0, 0, 0], [0, 0, 0])
+    for shift_mean in [True, False]:
+        assert torch.equal(M.masked_whiten(x, one, shift_mean, eps=0.0), t([0, 3, 0], [0, 0, 0]))
+        assert torch.equal(M.masked_whiten(x, none, shift_mean, eps=0.0), t([0, 0, 0], [0, 0, 0]))
+        # The same as with the statistics that ppo.py computes from the moments, at the default eps too.
+        for mask in [one, none]:
+            stats = M.mean_var_from_moments(*moments(x, mask))
+            assert torch.equal(M.masked_whiten(x, mask, shift_mean), M.masked_whiten(x, mask, shift_mean, stats=stats))
 
 
 def test_masked_whiten_gives_mean_0_variance_1_or_keeps_the_mean():
