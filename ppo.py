@@ -570,17 +570,13 @@ def reward_scores(model, sequences: torch.Tensor, attention_mask: torch.Tensor, 
 
 def batch_mean_var(x: torch.Tensor, mask: torch.Tensor, across_ranks: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance of x [B, R] over the in-mask positions of this rank's batch, or of every rank's
-    batch together (sums of x, x^2 and the count added over the ranks). (0, 1), which whitens nothing, when fewer
-    than two positions are in the mask."""
+    batch together (sums of x, x^2 and the count added over the ranks); (0, 1), which whitens nothing, when fewer
+    than two positions are in the mask (rlhf_math.mean_var_from_moments)."""
     x = torch.where(mask.bool(), x.double(), 0.0)
     moments = torch.stack([mask.sum().double(), x.sum(), (x**2).sum()])
     if across_ranks:
         dist.all_reduce(moments)
-    n, total, total_squares = moments
-    if n < 2:
-        return torch.zeros((), device=x.device), torch.ones((), device=x.device)
-    mean = total / n
-    return mean.float(), ((total_squares - n * mean**2).clamp(min=0) / (n - 1)).float()
+    return rlhf_math.mean_var_from_moments(*moments)
 
 def last_valid_batch(rollout: dict, P: int, valid: torch.Tensor, last_valid, iteration: int, rank: int, args: Args):
     """The batch the update trains on and its prompt length: (rollout, P) if a response of this rank's rollout is
