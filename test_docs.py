@@ -1,5 +1,5 @@
-"""The docs name only what exists. README.md and docs/*.md are read as text and the repository's scripts are parsed
-with ast (none is imported, nothing runs), so this takes well under a second.
+"""The docs name only what exists. README.md and docs/*.md are read as text; what the repository's .py files define
+is read from their modules, imported by name as the tests import them (no script's main runs): a few seconds.
 
 What is collected, from inline code spans (`...`) and fenced code blocks, and what each must be:
 - a file: a token ending in .py .md .txt .json .jsonl .sh .png, or starting with toy_task/ docs/ .ci/, must exist,
@@ -8,8 +8,9 @@ What is collected, from inline code spans (`...`) and fenced code blocks, and wh
   Skipped, by these explicit rules only: a bare extension such as `.json`; paths that a run creates, starting with
   one of RUN_CREATED_PREFIXES; and the file names in RUN_CREATED_FILES, which the scripts write inside the folders
   they make.
-- a function: `module.name` (module one of the repository's .py files, by its stem) must be a top-level def, class
-  or assignment of that file; a bare `name()` in an inline span must be a def somewhere in the repository.
+- a function: `module.name` (module one of the repository's .py files, by its stem) must be a function, class or
+  value that module defines at its top level (not one it imports); a bare `name()` in an inline span must be a
+  function of a module of the repository or a method of one of its classes.
 - a flag: `--some-flag` must be a field of a script's `Args` dataclass (field foo_bar is --foo-bar, and a bool field
   also gives --no-foo-bar), or one of LAUNCHER_FLAGS. In a command, a code-block line (continuations joined) or one
   inline span, a flag that follows a script's name must be a field of that script's Args; any other flag may be a
@@ -18,13 +19,22 @@ What is collected, from inline code spans (`...`) and fenced code blocks, and wh
   them, each at most two lines, linking to the heading of the same number; every "detail N" in the docs and every
   "README detail N" / "detail N" in a .py file names one of them. One with "N+" in the 60 characters before it cites
   the N+ implementation details, another numbering, and is skipped.
-- every metric name the stages log appears in the README, and the README's test command is the one .ci/run runs.
+- the README's test command is the one .ci/run runs (that every metric a stage logs is in the README's guide is
+  test_sft_and_reward_model.py's, from what short runs of the stages log).
 - README.md is at most 25,000 bytes.
+
+And the tests and benchmark.py reach the code through its functions and module attributes, never by parsing its
+source or reading stack frames (STYLE.md): no line of theirs uses one of READING_SOURCE_OR_FRAMES.
 """
 
-import ast
+import dataclasses
+import importlib
+import inspect
 import os
 import re
+import sys
+import types
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -45,7 +55,6 @@ LAUNCHER_FLAGS = {"--num_gpus", "--num_nodes", "--master_port", "--master_addr",
                   "--exclude", "--local_rank", "--no_ssh", "--node_rank", "--launcher", "--help",
                   "--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port",
                   "--nodes", "--ntasks-per-node", "--gpus-per-node"}
-METRIC_PREFIXES = ("objective", "policy", "loss", "val", "time", "memory", "train", "eval", "charts")
 README_MAX_BYTES = 25_000
 
 
@@ -58,49 +67,89 @@ def python_files() -> list[Path]:
     return sorted(found)
 
 
-def parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(), filename=str(path))
+def module_of(path: Path) -> types.ModuleType:
+    """The module of a repository .py file, imported by its dotted name from the root (toy_task/gold_judge.py is
+    toy_task.gold_judge): the module object the tests use, when they have imported it already."""
+    return importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
 
 
-def top_level_names(tree: ast.Module) -> set[str]:
+# What the import system sets in every module: not names the module defines.
+IMPORT_SYSTEM_NAMES = {"__name__", "__doc__", "__package__", "__loader__", "__spec__", "__file__", "__cached__",
+                       "__builtins__"}
+
+
+def own_function_or_class(value, module: types.ModuleType) -> bool:
+    """Whether value is a function (decorated or not: a cache, a pytest fixture) or a class defined in module."""
+    value = inspect.unwrap(value) if callable(value) else value
+    return isinstance(value, (types.FunctionType, type)) and value.__module__ == module.__name__
+
+
+def top_level_names(module: types.ModuleType) -> set[str]:
+    """The names a module defines: its functions and classes (not those it imports, which name another module as
+    theirs), and its other values, except those bound to the same object under the same name in a module it imports
+    from (one it holds, or the module of one of its values)."""
+    bound = vars(module)
+    origins = {getattr(value, "__module__", None) for value in bound.values()}
+    sources = {value for value in bound.values() if isinstance(value, types.ModuleType)} | {
+        sys.modules[origin] for origin in origins if origin in sys.modules}
+    sources.discard(module)
     names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
+    for name, value in bound.items():
+        if name in IMPORT_SYSTEM_NAMES or isinstance(value, types.ModuleType):
+            continue
+        if callable(value) and isinstance(inspect.unwrap(value), (types.FunctionType, type)):
+            if own_function_or_class(value, module):
+                names.add(name)
+        elif not any(name in vars(source) and vars(source)[name] is value for source in sources):
+            names.add(name)
     return names
 
 
-def args_flags(tree: ast.Module) -> set[str] | None:
-    """The --flags of a script's `Args` dataclass, or None if it has none."""
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "Args":
-            flags = set()
-            for field in node.body:
-                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name):
-                    flag = "--" + field.target.id.replace("_", "-")
-                    flags.add(flag)
-                    annotation = field.annotation  # bool, or Annotated[bool, ...]
-                    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) in {
-                            "Annotated", "typing.Annotated"} and isinstance(annotation.slice, ast.Tuple):
-                        annotation = annotation.slice.elts[0]
-                    if isinstance(annotation, ast.Name) and annotation.id == "bool":
-                        flags.add("--no-" + flag[2:])
-            return flags
-    return None
+def function_names(module: types.ModuleType) -> set[str]:
+    """The names of a module's own functions and of the methods of its own classes (nested classes too)."""
+    def methods(cls: type) -> set[str]:
+        names = set()
+        for name, value in vars(cls).items():
+            value = getattr(value, "__func__", value)  # a staticmethod's or classmethod's function
+            if isinstance(value, property):
+                names.update(name for accessor in (value.fget, value.fset, value.fdel) if accessor)
+            elif isinstance(value, type) and value.__qualname__.startswith(cls.__qualname__ + "."):
+                names |= methods(value)
+            elif callable(value) and isinstance(inspect.unwrap(value), types.FunctionType):
+                names.add(name)
+        return names
+
+    names = set()
+    for name, value in vars(module).items():
+        if own_function_or_class(value, module):
+            names |= methods(value) if isinstance(value, type) else {name}
+    return names
+
+
+def args_flags(module: types.ModuleType) -> set[str] | None:
+    """The --flags of a module's own `Args` dataclass, or None if it has none."""
+    args = vars(module).get("Args")
+    if not (own_function_or_class(args, module) and dataclasses.is_dataclass(args)):
+        return None
+    annotations = typing.get_type_hints(args, include_extras=True)
+    flags = set()
+    for field in dataclasses.fields(args):
+        flag = "--" + field.name.replace("_", "-")
+        flags.add(flag)
+        annotation = annotations[field.name]  # bool, or Annotated[bool, ...]
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        if annotation is bool:
+            flags.add("--no-" + flag[2:])
+    return flags
 
 
 PY_FILES = python_files()
-TREES = {p: parse(p) for p in PY_FILES}
-MODULES = {p.stem: top_level_names(tree) for p, tree in TREES.items()}
-ALL_DEFS = {node.name for tree in TREES.values() for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-SCRIPT_FLAGS = {p.relative_to(ROOT).as_posix(): flags for p, tree in TREES.items()
-                if (flags := args_flags(tree)) is not None}
-ANY_SCRIPT_FLAG = set().union(*SCRIPT_FLAGS.values())
+
+
+def repository_modules() -> dict[Path, types.ModuleType]:
+    """Each .py file's module, imported when a test asks (at this file's import, this module would be half made)."""
+    return {path: module_of(path) for path in PY_FILES}
 
 
 def split_markdown(text: str) -> tuple[list[tuple[int, str]], str]:
@@ -192,24 +241,29 @@ def test_named_files_exist():
 
 
 def test_named_functions_are_defined():
-    modules = "|".join(sorted(MODULES, key=len, reverse=True))
+    defined = {path.stem: top_level_names(module) for path, module in repository_modules().items()}
+    functions = set().union(*map(function_names, repository_modules().values()))
+    modules = "|".join(sorted(defined, key=len, reverse=True))
     missing = []
     for page in PAGES:
         for where, text, inline in spans_and_lines(page):
             for module, name in re.findall(rf"(?<![\w.])({modules})\.([A-Za-z_]\w*)", text):
                 if "." + name in FILE_SUFFIXES:
                     continue  # a file name such as ppo.py
-                if name not in MODULES[module]:
-                    missing.append(f"{where}: {module}.{name} (no def in {module}.py)")
+                if name not in defined[module]:
+                    missing.append(f"{where}: {module}.{name} (not defined in {module}.py)")
             if inline:
                 for name in re.findall(r"(?<![\w.])([A-Za-z_]\w*)\(\)", text):
-                    if name not in ALL_DEFS:
-                        missing.append(f"{where}: {name}() (no def in any .py file)")
+                    if name not in functions:
+                        missing.append(f"{where}: {name}() (no function or method of that name in any .py file)")
     assert not missing, "functions named in the docs that are not defined:\n" + "\n".join(missing)
 
 
 def test_named_flags_exist():
-    scripts = "|".join(re.escape(s) for s in sorted(SCRIPT_FLAGS, key=len, reverse=True))
+    script_flags = {path.relative_to(ROOT).as_posix(): flags for path, module in repository_modules().items()
+                    if (flags := args_flags(module)) is not None}
+    any_script_flag = set().union(*script_flags.values())
+    scripts = "|".join(re.escape(s) for s in sorted(script_flags, key=len, reverse=True))
     missing = []
     for page in PAGES:
         for where, text, _ in spans_and_lines(page):
@@ -221,9 +275,9 @@ def test_named_flags_exist():
                 flag = match.group(2)
                 if flag in LAUNCHER_FLAGS:
                     continue
-                if script and flag not in SCRIPT_FLAGS[script]:
+                if script and flag not in script_flags[script]:
                     missing.append(f"{where}: {flag} (not a flag of {script})")
-                elif not script and flag not in ANY_SCRIPT_FLAG:
+                elif not script and flag not in any_script_flag:
                     missing.append(f"{where}: {flag} (not a flag of any script)")
     assert not missing, "flags named in the docs that no script has:\n" + "\n".join(missing)
 
@@ -277,30 +331,41 @@ def test_detail_numbers():
     assert not problems, "detail numbers that do not match docs/implementation_details.md:\n" + "\n".join(problems)
 
 
-def logged_metrics() -> set[str]:
-    """The metric names in sft.py, reward_model.py and ppo.py: string constants such as "objective/kl", and every
-    constant key of a dict that holds one of them (ppo.py's "lr", "episode", "eps")."""
-    pattern = re.compile(rf"(?:{'|'.join(METRIC_PREFIXES)})/\w+")
-    names = set()
-    for script in ["sft.py", "reward_model.py", "ppo.py"]:
-        for node in ast.walk(TREES[ROOT / script]):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.fullmatch(node.value):
-                names.add(node.value)
-            if isinstance(node, ast.Dict):
-                keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-                if any(pattern.fullmatch(k) for k in keys):
-                    names.update(keys)
-    return names
-
-
-def test_every_logged_metric_is_in_the_readme():
-    named = {span for _, span, inline in spans_and_lines(README) if inline}
-    missing = sorted(logged_metrics() - named)
-    assert not missing, "metrics the stages log that the README's metrics guide does not name: " + ", ".join(missing)
-
-
 def test_the_readme_test_command_is_what_ci_runs():
     ci_commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
                    if line.strip() and not line.lstrip().startswith("#")]
     assert "python -m pytest -q" in README.read_text() and ci_commands[-1] == "python -m pytest -q", \
         f"README.md must show the test command that .ci/run runs; .ci/run ends with {ci_commands[-1]!r}"
+
+
+# What reads a module's source or a running function's frames: each a regular expression, written in two parts so
+# that this list is not a use of it, and what it does. The scan of test_no_test_reads_source_or_stack_frames.
+READING_SOURCE_OR_FRAMES = [
+    (r"\b_get" r"frame\b", "reads a caller's stack frame"),
+    (r"\bcurrent" r"frame\b", "reads a stack frame"),
+    (r"\bf_" r"(globals|locals|back)\b", "reads a frame's variables or its caller"),
+    (r"\btb_" r"frame\b", "reads a traceback's frame"),
+    (r"\binspect\.(st" r"ack|tr" r"ace)\b", "reads the stack"),
+    (r"\b(get" r"outerframes|get" r"innerframes|get" r"frameinfo|_current_" r"frames)\b", "reads stack frames"),
+    (r"\b(set" r"trace|set" r"profile)\b", "reads every frame a call runs"),
+    (r"\bget" r"source", "reads a module's or a function's source"),
+    (r"\bimport a" r"st\b|\ba" r"st\.", "parses source"),
+    (r"(?<![\w.])com" r"pile\(", "compiles source of its own making"),
+    (r"\brun" r"py\b", "runs a script as __main__, out of reach of its module's attributes"),
+]
+SEAM = ("Reach the code through its functions instead: the script's main(args) called directly "
+        "(test_sft_and_reward_model.run_in_process), with helpers patched through its module "
+        "(monkeypatch.setattr(ppo, NAME, ...)), and what a test records taken from the values the code passes to a "
+        "helper it calls anyway")
+
+
+def test_no_test_reads_source_or_stack_frames():
+    """Reading a script's source or a running function's frames freezes the file's shape (which helper holds which
+    variable, which line follows which), the shape a reader needs us free to improve (STYLE.md)."""
+    found = []
+    for path in sorted([*ROOT.glob("test_*.py"), ROOT / "conftest.py", ROOT / "benchmark.py"]):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern, what in READING_SOURCE_OR_FRAMES:
+                if match := re.search(pattern, line):
+                    found.append(f"{path.name}:{number}: {match.group(0)!r} {what}: {line.strip()[:100]}")
+    assert not found, "tests that read source or stack frames:\n" + "\n".join(found) + "\n" + SEAM

@@ -1,16 +1,19 @@
 """plumbing.py on its own, in this process: the flags, data files, model folders, output folders, ranks and
 checkpoints that every stage relies on, each helper checked once (each stage's own tests show that the stage calls
-it). No stage is imported here: the first tests check, by parsing the files, that plumbing.py imports none of them and
-knows nothing of RLHF, and that no stage keeps a copy of what plumbing.py holds.
+it). The first tests check that plumbing.py imports none of the stages (in a process of its own, and in its functions)
+and knows nothing of RLHF, and that no stage keeps a copy of what plumbing.py holds; that one, and the test of
+evaluate.py's call of keep_freed_memory, are the only tests here that import a stage.
 
 The shared bad-input fixture (`bad`), check_stops and write_jsonl live here; the stages' test files import them.
 """
 
 import argparse
-import ast
 import contextlib
+import dis
+import importlib
 import inspect
 import json
+import marshal
 import math
 import os
 import re
@@ -34,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import plumbing
+from test_docs import top_level_names
 
 BASE_MODEL = "toy_task/base_model"
 ROOT = Path(__file__).resolve().parent
@@ -98,41 +102,14 @@ def bad(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------------------
 # What plumbing.py is: imported by the stages, importing none of them, the one place each helper is defined
 # ---------------------------------------------------------------------------------------------------------------
-def is_main_guard(node) -> bool:
-    """`if __name__ == "__main__":`, the block that runs a script."""
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
-        isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
-
-
-def top_level_names(path) -> set[str]:
-    """The names a file defines at its top level, by def, class or assignment (in top-level if, try, with and for
-    blocks too), read with ast: nothing is imported. In a script's `if __name__ == "__main__":` block only def and
-    class count: its assignments are the run's variables (a tensor named prompt_ids), not definitions."""
-    names = set()
-
-    def visit(statements, run_block=False):
-        for node in statements:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and not run_block:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names.update(n.id for t in targets for n in ast.walk(t)
-                             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
-            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
-                blocks = [getattr(node, field, []) for field in ("body", "orelse", "finalbody")]
-                for block in blocks + [handler.body for handler in getattr(node, "handlers", [])]:
-                    visit(block, run_block or is_main_guard(node))
-
-    visit(ast.parse((ROOT / path).read_text()).body)
-    return names
-
-
 def test_no_stage_keeps_a_copy_of_what_plumbing_holds():
     """plumbing.py holds each helper once: a stage (or evaluate.py, benchmark.py) that defined a name plumbing.py
-    defines would be a second copy, free to drift from the first."""
-    held = top_level_names("plumbing.py")
+    defines would be a second copy, free to drift from the first. What each defines is read from its module
+    (test_docs.top_level_names): its own functions and classes, and its values not imported from plumbing."""
+    held = top_level_names(plumbing)
     assert {"fail", "load_split", "claim_output_dir", "RECORD", "PositiveInt", "commit_checkpoint"} <= held, held
-    copies = {script: sorted(top_level_names(script) & held) for script in STAGES}
+    copies = {script: sorted(top_level_names(importlib.import_module(script.removesuffix(".py"))) & held)
+              for script in STAGES}
     assert not any(copies.values()), "defined both in plumbing.py and in: " + "; ".join(
         f"{script} ({', '.join(names)})" for script, names in copies.items() if names)
 
@@ -142,22 +119,40 @@ RLHF_WORDS = re.compile(r"(?<![a-z])(actor|critic|reward|reference|kl)(s|es)?(?!
 NOT_IMPORTED = {"rlhf_math", "sft", "reward_model", "ppo", "evaluate", "benchmark"}
 
 
+def code_objects(module: types.ModuleType) -> list[types.CodeType]:
+    """The compiled code of a module's own functions and of its classes' methods, and of the functions in them."""
+    def nested(code):
+        return [code] + [c for const in code.co_consts if isinstance(const, types.CodeType) for c in nested(const)]
+
+    def functions_of(namespace):
+        for value in list(vars(namespace).values()):
+            value = getattr(value, "__func__", value)  # a staticmethod's or classmethod's function
+            function = inspect.unwrap(value) if callable(value) else value
+            if isinstance(function, types.FunctionType) and function.__module__ == module.__name__:
+                yield function
+            elif isinstance(value, type) and value.__module__ == module.__name__ and value is not namespace:
+                yield from functions_of(value)
+
+    return [code for function in functions_of(module) for code in nested(function.__code__)]
+
+
 def test_plumbing_imports_no_stage_and_knows_nothing_of_rlhf():
-    """plumbing.py imports no stage, nor evaluate.py, benchmark.py or rlhf_math.py (anywhere in the file, by import
-    statement or importlib), and no identifier, comment or string in it says actor, critic, reward, reference or
-    KL (as a word, or as a part of a snake_case or CamelCase name)."""
+    """plumbing.py imports no stage, nor evaluate.py, benchmark.py or rlhf_math.py: not when it is imported (in a
+    process of its own, where no test imports them first; its last line lists the modules then loaded), and not
+    later, from a function (what its import statements name, and any string that names one, as
+    importlib.import_module("ppo") would take); and no identifier, comment or string in it says actor, critic,
+    reward, reference or KL (as a word, or as a part of a snake_case or CamelCase name)."""
+    loaded = set(subprocess.run([sys.executable, "-c", "import sys, plumbing; print(*sys.modules)"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.splitlines()[-1].split())
+    assert {"torch", "deepspeed", "datasets"} <= loaded  # the list does hold what plumbing.py imports
+    assert not loaded & NOT_IMPORTED, f"importing plumbing.py imports {sorted(loaded & NOT_IMPORTED)}"
+    later = set()
+    for code in code_objects(plumbing):
+        later |= {i.argval.split(".")[0] for i in dis.get_instructions(code) if i.opname == "IMPORT_NAME"}
+        later |= {const for const in code.co_consts if isinstance(const, str)}
+    assert {"wandb", "resource"} <= later, later  # the functions' own imports are seen
+    assert not later & NOT_IMPORTED, f"plumbing.py's functions import or name {sorted(later & NOT_IMPORTED)}"
     source = (ROOT / "plumbing.py").read_text()
-    imported = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported |= {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
-                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-            imported.add(str(node.args[0].value).split(".")[0])
-    assert {"torch", "deepspeed", "datasets"} <= imported, imported  # the walk does see the imports
-    assert not imported & NOT_IMPORTED, f"plumbing.py imports {sorted(imported & NOT_IMPORTED)}"
     found = [f"line {number}: {match.group(0)!r} in {line.strip()!r}"
              for number, line in enumerate(source.splitlines(), 1)
              for match in RLHF_WORDS.finditer(re.sub(r"([a-z])([A-Z])", r"\1 \2", line))]
@@ -756,11 +751,21 @@ def test_init_distributed_gives_new_threads_one_openmp_thread_under_zero3_only(z
     assert calls == ["keep_freed_memory", *openmp, "process group", "remove_shared_memory_file", "stop_on_signals"]
 
 
+def in_a_bare_process(function) -> tuple[str, str]:
+    """One of plumbing's functions that need only the standard library, for a process of its own that has imported
+    neither plumbing nor torch: (Python lines that define it there, from its compiled code, and that code, the
+    process's last command-line argument). The lines before them import sys and what the function uses."""
+    return (f"import marshal, types\n{function.__name__} = types.FunctionType(marshal.loads(bytes.fromhex("
+            "sys.argv[-1])), globals())\n", marshal.dumps(function.__code__).hex())
+
+
 def test_freed_memory_is_kept_for_the_next_tensor():
-    """keep_freed_memory, which init_distributed calls on a CPU: the key and value caches of two layers that grow one
-    token at a time (torch.cat, as in generation) fault their pages in anew at every step under glibc's defaults
-    (4,780 to 9,320 faults seen), and hardly ever in a process that called it first."""
-    code = "import ctypes, resource, sys\n" + inspect.getsource(plumbing.keep_freed_memory) + """
+    """keep_freed_memory, which init_distributed calls on a CPU (its calls: the test of init_distributed above): the
+    key and value caches of two layers that grow one token at a time (torch.cat, as in generation) fault their pages
+    in anew at every step under glibc's defaults (4,780 to 9,320 faults seen), and hardly ever in a process that
+    called it first."""
+    definition, compiled = in_a_bare_process(plumbing.keep_freed_memory)
+    code = "import ctypes, resource, sys\n" + definition + """
 if sys.argv[1] == "kept":
     keep_freed_memory()
 import torch
@@ -775,15 +780,32 @@ def page_faults_of_growing_caches():
 page_faults_of_growing_caches(), page_faults_of_growing_caches()  # the heap grows to its size
 print(page_faults_of_growing_caches())
 """
-    children = {how: subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, text=True)
+    children = {how: subprocess.Popen([sys.executable, "-c", code, how, compiled], stdout=subprocess.PIPE, text=True)
                 for how in ["defaults", "kept"]}
     faults = {how: int(child.communicate()[0]) for how, child in children.items()}
     assert faults["defaults"] > 1000 and faults["kept"] < faults["defaults"] / 20, faults  # kept: 0 to 88 seen
-    # init_distributed calls it where a rank on a CPU sets itself up.
-    assert "keep_freed_memory()" in inspect.getsource(plumbing.init_distributed).split("if on_cpu:")[1]
-    # And evaluate.py, which runs without init_distributed, on a CPU.
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py")) as f:
-        assert 'if device.type == "cpu":\n        plumbing.keep_freed_memory()' in f.read()
+
+
+def test_evaluate_keeps_freed_memory_on_a_cpu(tmp_path, monkeypatch):
+    """evaluate.py, which runs without init_distributed, calls keep_freed_memory itself on a CPU, before any model
+    loads (its main, stopped where it looks for snapshots, just after), and not on a GPU."""
+    import evaluate
+
+    class Stop(Exception):
+        pass
+
+    def stop(args):
+        raise Stop
+
+    calls = []
+    monkeypatch.setattr(plumbing, "keep_freed_memory", lambda: calls.append("keep_freed_memory"))
+    monkeypatch.setattr(evaluate, "snapshots_of_run", stop)
+    for cuda, expected in [(False, ["keep_freed_memory"]), (True, [])]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        calls.clear()
+        with pytest.raises(Stop):
+            evaluate.main(evaluate.Args(output_dir=str(tmp_path / "eval")))
+        assert calls == expected, cuda
 
 
 def test_end_run_leaves_several_ranks_without_python_shutdown(monkeypatch):
@@ -867,8 +889,9 @@ def test_peak_resident_memory_is_the_process_own():
     process that holds 1.5 GB, a small child reports its own few MB, where wait4's ru_maxrss reports the 1.5 GB."""
     held = bytearray(1536 * 2**20)
     held[::4096] = b"\1" * len(held[::4096])  # every page touched: resident
-    code = "import os, sys\n" + inspect.getsource(plumbing.peak_resident_gb) + "print(peak_resident_gb())"
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    definition, compiled = in_a_bare_process(plumbing.peak_resident_gb)
+    code = "import os, sys\n" + definition + "print(peak_resident_gb())"
+    child = subprocess.Popen([sys.executable, "-c", code, compiled], stdout=subprocess.PIPE, text=True)
     own = float(child.stdout.read())
     _, _, rusage = os.wait4(child.pid, 0)
     assert own < 0.1 and rusage.ru_maxrss / 2**20 > 1.5, (own, rusage.ru_maxrss)

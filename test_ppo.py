@@ -831,10 +831,11 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
     flags = ["--sft-model", str(sft), "--ppo-model", str(out / "actor"), "--reward-model", stages[3],
              "--split", "test[:40]", "--batch-size", "16", "--max-new-tokens", "12", "--temperature", "0.7",
              "--seed", "5", "--snapshot-prompts", "16", "--output-dir", str(tmp_path / "eval")]
-    # What evaluate.py passes to ppo's helpers and gets back, recorded (it imports them from ppo): the sampling
-    # config and seed of every batch, the reward model's scores, and the log-probs behind the KL to the SFT policy.
-    calls, sample, reward_scores, response_logprobs = {"sample": [], "scores": [], "kl": []}, ppo.sample, \
-        ppo.reward_scores, ppo.response_logprobs
+    # What evaluate.py passes to ppo's helpers and gets back, recorded through evaluate's own names for them (it
+    # imports them from ppo; its main calls them by those names): the sampling config and seed of every batch, the
+    # reward model's scores, and the log-probs behind the KL to the SFT policy.
+    calls, sample, reward_scores, response_logprobs = {"sample": [], "scores": [], "kl": []}, evaluate.sample, \
+        evaluate.reward_scores, evaluate.response_logprobs
 
     def recorded(name, function, value=lambda result, *args: result):
         def call(*args, **kwargs):
@@ -843,12 +844,12 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
             return result
         return call
 
-    monkeypatch.setattr(ppo, "sample", recorded("sample", sample, lambda _, model, ids, mask, config, synced: (
+    monkeypatch.setattr(evaluate, "sample", recorded("sample", sample, lambda _, model, ids, mask, config, synced: (
         config.to_dict(), torch.initial_seed())))
-    monkeypatch.setattr(ppo, "reward_scores", recorded("scores", reward_scores))
-    monkeypatch.setattr(ppo, "response_logprobs", recorded("kl", response_logprobs, lambda logprobs, model, sequences,
-                        mask, P, temperature: (torch.where(mask[:, P:].bool(), logprobs, 0.0).sum(dim=1), temperature,
-                                               model.name_or_path)))
+    monkeypatch.setattr(evaluate, "reward_scores", recorded("scores", reward_scores))
+    monkeypatch.setattr(evaluate, "response_logprobs", recorded("kl", response_logprobs, lambda logprobs, model,
+                        sequences, mask, P, temperature: (torch.where(mask[:, P:].bool(), logprobs, 0.0).sum(dim=1),
+                                                          temperature, model.name_or_path)))
     shutil.copytree(out / "snapshots" / "iteration_2", out / "snapshots" / "iteration_3")  # another run's snapshot
     plumbing.write_json(str(out / "snapshots" / "iteration_3" / plumbing.RECORD), {
         **plumbing.read_record(str(out / "snapshots" / "iteration_3")), "run_name": "another__1__1"})

@@ -7,11 +7,12 @@ script with a one-line message naming what to fix.
 
 import contextlib
 import glob
+import importlib
 import io
 import json
 import math
 import os
-import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 import torch
 import transformers
 import tyro
+from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import plumbing
@@ -31,6 +33,7 @@ import ppo
 import reward_model
 import rlhf_math
 import sft
+from test_docs import README, spans_and_lines
 # bad is a pytest fixture, used by name
 from test_plumbing import BASE_MODEL, bad, check_stops, dropping_tokenizer, write_jsonl  # noqa: F401
 
@@ -162,14 +165,22 @@ def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_pat
         sampled.append((kwargs["input_ids"], kwargs["attention_mask"], sequences, model.generation_config))
         return sequences
 
+    # The training loop's batch as the loader makes it (reward_model.collate, its collate_fn, called in this process
+    # when the loop asks for the next batch), taken by the optimizer step that ends the batch's accumulation.
+    batches, collate = [], reward_model.collate
+
+    def recording_collate(examples, pad_token_id):
+        batches[:] = [collate(examples, pad_token_id)]
+        return batches[0]
+
     def recording_step(engine):
-        loop = sys._getframe(1).f_globals  # reward_model.py's __main__: its training loop's variables
-        if len(steps) < 3 and "train_loader" in loop and engine.is_gradient_accumulation_boundary():
-            steps.append((loop["batch"], {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        if len(steps) < 3 and batches and engine.is_gradient_accumulation_boundary():
+            steps.append((batches[0], {n: p.detach().clone() for n, p in engine.module.named_parameters()},
                           {n: p.grad.clone() for n, p in engine.module.named_parameters()}))
         return engine_step(engine)
 
     monkeypatch.setattr(transformers.GenerationMixin, "generate", recording_generate)
+    monkeypatch.setattr(reward_model, "collate", recording_collate)
     monkeypatch.setattr(deepspeed.runtime.engine.DeepSpeedEngine, "step", recording_step)
     out = tmp_path / "rm"
     assert run_in_process("reward_model.py", [*FEW_STEPS, "--model-name-or-path", sft_checkpoint, "--output-dir",
@@ -205,18 +216,61 @@ def test_reward_model_steps_and_normalization_recomputed(sft_checkpoint, tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# What the stages log: every metric in the README's guide
+# ---------------------------------------------------------------------------------------------------------------
+def test_every_logged_metric_is_in_the_readme(tmp_path, monkeypatch):
+    """Every metric name that sft.py, reward_model.py and ppo.py log, as a short run of each logs them (every step;
+    ppo.py with --unsup-dataset, whose loss it logs too), recorded where each goes to tensorboard
+    (SummaryWriter.add_scalar; ppo.py's metrics.jsonl lines hold the same names), is an inline span of the README."""
+    logged, add_scalar = {}, SummaryWriter.add_scalar
+
+    def recording_add_scalar(writer, tag, *args, **kwargs):
+        logged[script].add(tag)
+        return add_scalar(writer, tag, *args, **kwargs)
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", recording_add_scalar)
+    steps = ["--train-split", "train[:16]", "--eval-split", "test[:8]", "--per-device-train-batch-size", "8",
+             "--logging-steps", "1"]
+    sft_out, rm_out = str(tmp_path / "sft"), str(tmp_path / "rm")
+    for script, flags in [
+            ("sft.py", [*steps, "--output-dir", sft_out]),
+            ("reward_model.py", [*steps, "--model-name-or-path", sft_out, "--normalization-samples", "2",
+                                 "--max-new-tokens", "4", "--output-dir", rm_out]),
+            ("ppo.py", ["--actor-model-name-or-path", sft_out, "--reward-model-name-or-path", rm_out,
+                        "--per-device-rollout-batch-size", "4", "--num-mini-batches", "1",
+                        "--per-device-train-batch-size", "4", "--num-ppo-epochs", "1", "--max-new-tokens", "4",
+                        "--total-episodes", "4", "--unsup-dataset", "toy_task/pretrain.txt",
+                        "--output-dir", str(tmp_path / "ppo")])]:
+        logged[script] = set()
+        exp_name = f"test_logged_metrics_{script[:-3]}"
+        assert run_in_process(script, [*flags, "--exp-name", exp_name], must_stop=False) is None
+        for old in glob.glob(f"runs/{exp_name}__*"):
+            shutil.rmtree(old)
+    assert all(logged.values()), f"a run logged nothing through SummaryWriter.add_scalar: {logged}"
+    named = {span for _, span, inline in spans_and_lines(README) if inline}
+    missing = sorted(set().union(*logged.values()) - named)
+    assert not missing, "metrics the stages log that the README's metrics guide does not name: " + ", ".join(missing)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Bad input: a one-line error that names what to fix, before any training
 # ---------------------------------------------------------------------------------------------------------------
 def run_in_process(script, argv, must_stop=True):
-    """`python script argv` run in this process (runpy), as its __main__, to the error it must stop with (or, with
-    must_stop=False, to its end): no process start per run. Returns the message of the SystemExit it raised (None
-    for a run that finished). What the script changes for a one-rank run (the environment, signal handlers,
-    sys.argv) is restored; the one-rank process group it starts stays for the next."""
+    """`python script argv` run in this process, to the error it must stop with (or, with must_stop=False, to its
+    end): the script's module runs `main(tyro.cli(Args))` on argv, as its `if __name__ == "__main__":` block does, so
+    that a helper a test patches through the module (monkeypatch.setattr(ppo, NAME, ...)) is the one main calls (one
+    the script imports by name, as evaluate.py's `from ppo import sample`, is patched as the script's own:
+    evaluate.sample); no process start per run. Returns the message of the SystemExit it raised (None for a run that
+    finished). sys.argv is the script's command line while it runs (its messages name the script from it). What the
+    script changes for a one-rank run (the environment, signal handlers, sys.argv) is restored; the one-rank process
+    group it starts stays for the next. Every run shares the one module object: the scripts keep no state in it from
+    one run to the next."""
     saved_env, saved_argv = dict(os.environ), sys.argv
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     sys.argv = [script, *argv]
     try:
-        runpy.run_path(script, run_name="__main__")
+        module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+        module.main(tyro.cli(module.Args, args=argv))
     except SystemExit as stop:
         return str(stop)
     finally:
