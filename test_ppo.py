@@ -900,49 +900,32 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
 
 
 def test_benchmark(tmp_path):
-    """benchmark.py runs ppo.py (here also on 2 ranks with the actor under ZeRO-3 in fp32, where the first PPO ratio
-    must be exactly 1) and the bare calls, the bare calls against themselves (the noise of the ratios), and its
-    figures show no gradients or optimizer state for frozen models; --profile times every phase of both, and the GPU
-    preset (Pythia-1B's shape, bf16) applies where no flag says otherwise. A tiny shape, to run here."""
+    """benchmark.py runs ppo.py (ppo.main, in a fresh process) and the limit taking turns, and its table's ratios are
+    the medians of their paired iterations; the profile in one process times every phase of both, and the GPU preset
+    (Pythia-1B's shape, bf16) applies where no flag says otherwise. A tiny shape, to run here."""
     small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
              "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
     output = tmp_path / "benchmark.json"
     table = run("benchmark.py", *small, "--warmup-iterations", "1", "--iterations", "2", "--repeats", "1",
-                "--null-rounds", "1", "--two-rank-stages", "3", "--output-json", str(output)).stdout
+                "--output-json", str(output)).stdout
     result = json.loads(output.read_text())
-    assert [r["config"] for r in result["rows"]] == ["1 rank, actor ZeRO-0", "2 ranks, actor ZeRO-3"]
-    assert all(r["rollout_s"] > 0 and r["rollout_limit_s"] > 0 and r["update_limit_s"] > 0 for r in result["rows"])
-    # One rank: ppo.py and the limit took turns, one iteration each; each ratio is a median of paired iterations.
-    assert "each ratio is the median over 2 pairs of an iteration of ppo.py and the limit's" in table
-    assert len(result["pairs"]) == 2 and result["rows"][0]["iteration_ratio"] == statistics.median(
+    [row] = result["rows"]
+    assert row["config"] == "1 rank, actor ZeRO-0" and row["rollout_s"] > 0 and row["update_limit_s"] > 0, row
+    assert row["gpu_max_allocated_gb"] > 0  # ppo.py's peak memory, on a CPU its resident memory
+    # ppo.py and the limit took turns, one iteration each; each ratio is a median of paired iterations.
+    assert "Each ratio is the median over 2 pairs of an iteration of ppo.py and the limit's" in table
+    assert len(result["pairs"]) == 2 and row["iteration_ratio"] == statistics.median(
         ppo_s / limit_s for ppo_s, limit_s in result["pairs"])
-    [zero3_pairs] = result["two_rank_pairs"].values()  # and so did the two ranks of ZeRO-3 and the limit
-    assert len(zero3_pairs) == 2 and result["rows"][1]["iteration_ratio"] == statistics.median(
-        ppo_s / limit_s for ppo_s, limit_s in zero3_pairs)
-    # The noise of those ratios: the limit against a second limit, taking turns in the same way.
-    [null] = result["null_pairs"]
-    ratio = statistics.median(second_s / limit_s for second_s, limit_s in null)
-    assert len(null) == 2 and f"iteration ratio {ratio:.2f} over 2 pairs; by round {ratio:.2f}." in table, (null, table)
-    for side in ["ppo.py", "limit"]:  # the process state beside the table: threads, OpenMP settings, page faults
-        state = result["state"][0][side]
-        assert "torch threads 1 (1 in a new thread), OpenMP/MKL/glibc environment {'OMP_NUM_THREADS': '1'" in state and \
-            int(state.split(", page faults ")[1].replace(",", "")) > 0, result
     assert set(result["profile"]["ppo.py"]["phases"]) == set(benchmark.PHASES) and "| phase |" in table
     # The profile in one process: ppo.py and the limit took turns, one iteration each (profile_in_turns).
     assert len(result["profile"]["ppo.py"]["timed"]) == len(result["profile"]["limit"]["timed"]) == 2
     assert "ppo.py's iteration over the limit's just before it, in this process: the median over 2 pairs" in table
-    memory = {m["model"]: m for m in result["memory"]}
-    for frozen in ["reference", "reward"]:
-        assert memory[frozen]["gradients_mb"] == 0 and memory[frozen]["optimizer_state_mb"] == 0
-    for trained in ["actor", "critic"]:  # AdamW: two moments per parameter
-        assert memory[trained]["optimizer_state_mb"] >= 2 * memory[trained]["parameters_mb"] > 0
 
     # --profile: every phase of ppo.py's iteration is found and timed (a phase at 0 would mean ppo.py no longer
     # calls the function the profile wraps for it), and the limit's phases too (it does no checks or logging).
-    profile = run("benchmark.py", "--preset", "pythia-1b", "--profile", "--profile-zero-stage", "3", *small,
-                  "--warmup-iterations", "1", "--iterations", "1").stdout
+    profile = run("benchmark.py", "--preset", "pythia-1b", "--profile", *small, "--warmup-iterations", "1",
+                  "--iterations", "1").stdout
     assert "shape: 8 episodes of 8 + 8 tokens, 1 layers of width 64 (8 heads, MLP 128), vocabulary 512, bf16;" in profile
-    assert "OMP_NUM_THREADS for 1 rank 1, for each of 2 ranks 1" in profile  # the test's ENV: 1 thread
     rows = {line.split(" | ")[0].strip("| "): [float(x) for x in line.split(" | ")[1:3]]
             for line in profile.splitlines() if line.startswith("| ") and not line.startswith("| phase")}
     assert set(rows) == {*benchmark.PHASES, "other", "iteration"}, profile
@@ -967,42 +950,24 @@ def test_the_limit_runs_at_ppos_settings_from_its_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, **k: (seen["lr"].append(lr), adamw(params, lr, **k))[1])
     monkeypatch.setattr(benchmark.AutoModelForSequenceClassification, "from_pretrained", lambda path, **k: (
         seen["critic"].append(path), from_pretrained(path, **k))[1])
-    flags = benchmark.ppo_flags(args, str(tmp_path), 1, 0, "limit", 1)
-    benchmark.limit_iteration(args, flags, 1)(lambda name: contextlib.nullcontext())
+    flags = benchmark.ppo_flags(args, str(tmp_path), "limit", 1)
+    benchmark.limit_iteration(args, flags)(lambda name: contextlib.nullcontext())
     defaults = ppo.Args()
-    reward = str(tmp_path / "reward")
+    reward = str(tmp_path / "reward_model")
     steps = 2 * args.num_ppo_epochs * args.num_mini_batches  # actor and critic, each mini-batch of each epoch
     assert seen == {"temperature": [defaults.temperature], "clip": [defaults.gradient_clipping] * steps,
                     "lr": [defaults.actor_learning_rate, defaults.critic_learning_rate], "critic": [reward, reward]}
     seen = {name: [] for name in seen}
     critic = str(shutil.copytree(reward, tmp_path / "critic"))  # a critic of its own
     benchmark.limit_iteration(args, [*flags, "--temperature", "0.7", "--gradient-clipping", "0", "--actor-learning-rate",
-                                     "3e-6", "--critic-learning-rate", "2e-6", "--critic-model-name-or-path", critic],
-                              1)(lambda name: contextlib.nullcontext())
+                                     "3e-6", "--critic-learning-rate", "2e-6", "--critic-model-name-or-path", critic]
+                              )(lambda name: contextlib.nullcontext())
     assert seen == {"temperature": [0.7], "clip": [], "lr": [3e-6, 2e-6], "critic": [critic, reward]}
-
-
-def test_benchmark_leaves_out_the_two_rank_runs_on_one_gpu(monkeypatch, capsys):
-    """On a machine with one GPU the 2-rank runs cannot start (rank 1 would ask for device 1): the benchmark leaves
-    them out at its start, saying so, instead of failing after the 1-rank rounds. (CUDA's answers stubbed here.)"""
-    assert benchmark.two_rank_stages_here([0, 2, 3]) == [0, 2, 3]  # this machine's CPU: two ranks share it
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for gpus, expected in [(8, [0, 2, 3]), (1, [])]:
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-        assert benchmark.two_rank_stages_here([0, 2, 3]) == expected
-    assert capsys.readouterr().out == "one GPU: the 2-rank runs (--two-rank-stages 0 2 3) need two; skipped\n"
-
-
-def test_zero_stages_over_zero0_pair_iterations_next_to_each_other():
-    """The 2-rank line "actor ZeRO-k / ZeRO-0": each iteration at ZeRO-k over ZeRO-0's of the same round and index
-    (they took turns), then the medians of the pairs' ratios (test_benchmark runs one stage only, so no such line)."""
-    def times(rollout, update):
-        return {"time/rollout": rollout, "time/update": update}
-    rounds = [({0: [times(1, 2), times(4, 4)], 3: [times(2, 2), times(4, 12)]}, [], {}),
-              ({0: [times(1, 1)], 3: [times(10, 20)]}, [], {})]
-    # ZeRO-3 over ZeRO-0, pair by pair: rollout 2/1, 4/4, 10/1; update 2/2, 12/4, 20/1; iteration 4/3, 16/8, 30/2.
-    assert benchmark.median_ratios(benchmark.against_zero0(rounds, 3)) == {
-        "rollout": 2.0, "update": 3.0, "iteration": 2.0}
+    # With --trl-python, ppo.py (and so the limit) runs at TRL's settings, on TRL's value model as its critic.
+    trl_flags = tyro.cli(ppo.Args, args=benchmark.ppo_flags(dataclasses.replace(args, trl_python="python"),
+                                                           str(tmp_path), "limit", 1))
+    assert (trl_flags.temperature, trl_flags.kl_coef, trl_flags.gradient_clipping, trl_flags.actor_learning_rate,
+            trl_flags.critic_model_name_or_path) == (0.7, 0.05, 0.0, 3e-6, str(tmp_path / "value_model"))
 
 
 def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3(monkeypatch):
@@ -1037,58 +1002,43 @@ def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3(m
 
 
 def test_processes_take_turns(tmp_path):
-    """benchmark.in_turns, as the benchmark runs ppo.py beside the limit and beside TRL: each side (one process, or
-    the two ranks of a run, which go together) runs one iteration in its turn, never two sides at once, the order
-    turning by one each iteration; each process reports its turns' seconds (turn_taker, whose source TRL's process
-    runs too); one that ends early stops the benchmark with its output, also while the other rank of its run waits."""
+    """benchmark.in_turns, as the benchmark runs ppo.py beside the limit (and beside TRL): each side, a fresh process
+    that stops itself where an iteration starts (wait_for_turn, or a copy of its one line in TRL's process), runs one
+    iteration in its turn, never two sides at once, the order turning by one each iteration; the turns are timed from
+    outside; one that ends early, or fails in its last turn, stops the benchmark with its output."""
     log = tmp_path / "log"
-    code = "import json, os, sys, time\n" + inspect.getsource(benchmark.turn_taker) + (
-        "turn, seconds = turn_taker([int(sys.argv[1]), int(sys.argv[2])])\n"
-        "for iteration in range(4):\n"
-        "    turn()\n"
-        "    if sys.argv[3] == 'fails' and iteration == 1:\n"
-        "        sys.exit('fails at iteration 1')\n"
-        "    start = time.time(); time.sleep(0.05)\n"
-        "    with open(sys.argv[4], 'a') as f:\n"
-        "        f.write(f'{sys.argv[3][0]}{iteration} {start} {time.time()}\\n')\n"
-        "print(json.dumps({'seconds': seconds}))\n")
+    code = ("import os, signal, sys, time\n"
+            "for iteration in range(4):\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "    if sys.argv[1] == 'fails' and iteration == int(sys.argv[3]):\n"
+            "        sys.exit(f'fails at iteration {iteration}')\n"
+            "    start = time.time(); time.sleep(0.05)\n"
+            "    with open(sys.argv[2], 'a') as f:\n"
+            "        f.write(f'{sys.argv[1][0]}{iteration} {start} {time.time()}\\n')\n"
+            "print('{\"done\": true}')\n")
 
-    def start(name):
-        return lambda turns, output: subprocess.Popen([sys.executable, "-c", code, *map(str, turns), name, str(log)],
-                                                      stdout=output, stderr=subprocess.STDOUT, pass_fds=tuple(turns))
+    def side(name, fails_at=-1):
+        return [sys.executable, "-c", code, name, str(log), str(fails_at)]
 
-    results = benchmark.in_turns({"a": [start("a")], "b": [start("b rank 0"), start("b rank 1")], "c": [start("c")]},
-                                 4)
-    turns = [(name, float(begin), float(end)) for name, begin, end in
+    lines, turns = benchmark.in_turns({"a": side("a"), "b": side("b"), "c": side("c")}, 4)
+    order = [(name, float(begin), float(end)) for name, begin, end in
              sorted((line.split() for line in log.read_text().splitlines()), key=lambda line: float(line[1]))]
-    assert [name for name, _, _ in turns] == ["a0", "b0", "b0", "c0", "b1", "b1", "c1", "a1", "c2", "a2", "b2", "b2",
-                                              "a3", "b3", "b3", "c3"]
-    assert all(name == later or end <= later_begin  # b's two ranks run together, no other two sides
-               for i, (name, _, end) in enumerate(turns) for later, later_begin, _ in turns[i + 1:]), turns
-    assert [len(side) for side in results.values()] == [1, 2, 1]
-    assert all(len(r["seconds"]) == 3 and min(r["seconds"]) >= 0.05 for side in results.values() for r in side)
-    with pytest.raises(SystemExit, match="(?s)b failed:.*fails at iteration 1"):  # its other rank waits for a turn
-        benchmark.in_turns({"a": [start("a")], "b": [start("b rank 0"), start("fails")]}, 4)
-
-
-def test_benchmark_profile_times_the_limit_before_and_after_ppo(monkeypatch):
-    """The profile's limit is the mean of the limit timed just before ppo.py's main block and just after it, phase by
-    phase: a machine that slows down steadily slows both sides alike (limit 0.5 s, ppo.py 0.9 s, limit 0.7 s: 0.6)."""
-    calls = []
-
-    def fake(name, seconds):
-        def run(*_, **__):
-            calls.append(name)
-            return {"phases": dict.fromkeys(benchmark.PHASES, seconds / 10), "mean_iteration": seconds}
-        return run
-
-    limits = iter([fake("limit", 0.5), fake("limit", 0.7)])
-    monkeypatch.setattr(benchmark, "time_limit", lambda *a, **k: next(limits)(*a, **k))
-    monkeypatch.setattr(benchmark, "profile_ppo", fake("ppo.py", 0.9))
-    ppo_profile, limit = benchmark.profile_between_limits(benchmark.Args(), "folder")
-    assert calls == ["limit", "ppo.py", "limit"] and ppo_profile["mean_iteration"] == 0.9
-    assert limit["mean_iteration"] == pytest.approx(0.6) and limit["before"]["mean_iteration"] == 0.5
-    assert limit["phases"] == pytest.approx(dict.fromkeys(benchmark.PHASES, 0.06))
+    assert [name for name, _, _ in order] == ["a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2", "a3", "b3", "c3"]
+    assert all(end <= later_begin for i, (_, _, end) in enumerate(order) for _, later_begin, _ in order[i + 1:])
+    assert lines == {"a": '{"done": true}', "b": '{"done": true}', "c": '{"done": true}'}
+    assert all(len(seconds) == 4 and min(seconds) >= 0.05 for seconds in turns.values()), turns
+    # TRL's script in TRL's Python (here a stand-in and ours) stops for its turn where its trainer calls batch_generation.
+    baseline = tmp_path / "baseline.py"
+    baseline.write_text("import json, time, types\nppo_trainer = types.SimpleNamespace(batch_generation=time.sleep)\n"
+                        "def import_trl_ppo():\n    return None, None, ppo_trainer\n"
+                        "def main(argv):\n    for _ in range(4):\n        ppo_trainer.batch_generation(0.05)\n"
+                        "    print(json.dumps(argv))\n")
+    lines, turns = benchmark.in_turns({"a": side("a"), "trl": [sys.executable, "-c", benchmark.TRL_IN_TURNS,
+                                                               str(baseline), "--iterations", "4"]}, 4)
+    assert lines["trl"] == '["--iterations", "4"]' and len(turns["trl"]) == 4 and min(turns["trl"]) >= 0.05
+    for fails_at, says in [(1, "did not stop for its next turn"), (3, "did not end")]:
+        with pytest.raises(SystemExit, match=f"(?s)b {says} \\(exit status 1\\):.*fails at iteration {fails_at}"):
+            benchmark.in_turns({"a": side("a"), "b": side("fails", fails_at)}, 4)
 
 
 def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
@@ -1102,7 +1052,7 @@ def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
     def spend(seconds):
         clock[0] += seconds
 
-    def limit_iteration(args, flags, ranks):
+    def limit_iteration(args, flags):
         def one_iteration(phase):
             k = events.count("limit")
             events.append("limit")
@@ -1112,31 +1062,26 @@ def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
             return {"rollout": k + 1.0, "update": 0.25}
         return one_iteration
 
-    def exec_ppo_main(flags, replacements):  # ppo.py's loop: the iteration's start, generation, the actor's log-probs
-        originals = {key: getattr(*key) for key in replacements}
-        for (owner, name), function in replacements.items():
-            setattr(owner, name, function)
-        try:
+    def run_ppo(flags, replacements):  # ppo.py's loop: the iteration's start, generation, the actor's log-probs
+        with benchmark.contextlib.ExitStack() as patches:
+            for (owner, name), function in replacements.items():
+                patches.enter_context(benchmark.mock.patch.object(owner, name, function))
             for iteration in range(args.warmup_iterations + args.iterations + 1):
                 ppo.prompts_of_iteration([], iteration, 0, None)
                 events.append("ppo")
                 ppo.sample_responses()
                 ppo.response_logprobs(types.SimpleNamespace(training=True))
-        finally:
-            for (owner, name), function in originals.items():
-                setattr(owner, name, function)
 
     monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(benchmark, "limit_iteration", limit_iteration)
-    monkeypatch.setattr(benchmark, "exec_ppo_main", exec_ppo_main)
+    monkeypatch.setattr(benchmark, "run_ppo", run_ppo)
     monkeypatch.setattr(ppo, "prompts_of_iteration", lambda *a, **k: [])
     monkeypatch.setattr(ppo, "sample_responses", lambda *a, **k: spend(2.0 * events.count("ppo")))
     monkeypatch.setattr(ppo, "response_logprobs", lambda *a, **k: spend(0.25))
     args = benchmark.Args(warmup_iterations=1, iterations=3)
     ppo_profile, limit = benchmark.profile_in_turns(args, "folder")
     assert events == ["limit", "ppo"] * 4 + ["ppo"]
-    assert ppo_profile["timed"] == [4.25, 6.25, 8.25] and \
-        [t["rollout"] + t["update"] for t in limit["timed"]] == [2.25, 3.25, 4.25]  # no warm-up's
+    assert ppo_profile["timed"] == [4.25, 6.25, 8.25] and limit["timed"] == [2.25, 3.25, 4.25]  # no warm-up's
     assert ppo_profile["phases"] == {**dict.fromkeys(benchmark.PHASES, 0.0), "generation": 6.0, "actor log-probs": 0.25}
     assert limit["phases"] == {**dict.fromkeys(benchmark.PHASES, 0.0), "generation": 3.25}
     benchmark.print_profile(ppo_profile, limit)  # 4.25 / 2.25, 6.25 / 3.25, 8.25 / 4.25: the median 6.25 / 3.25
@@ -1144,14 +1089,21 @@ def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
         capsys.readouterr().out
 
 
-def test_benchmark_profile_leaves_nothing_of_ppo_main_behind():
-    """--profile runs ppo.py's main block in the benchmark's own process (exec_ppo_main), before the memory figures
-    (and with --profile-limit-apart, a limit): what the block leaves in ppo's namespace (its four engines: tens of GB
-    on a GPU at Pythia-1B's shape) is freed when it ends, also when it stops."""
-    names = set(vars(ppo))
-    with pytest.raises(SystemExit, match="no/such/folder"):
-        benchmark.exec_ppo_main(["--actor-model-name-or-path", "no/such/folder"], {})
-    assert set(vars(ppo)) == names
+def test_the_benchmark_runs_ppo_main_with_its_helpers_replaced_and_set_back():
+    """benchmark.run_ppo runs ppo.main as `python ppo.py FLAGS` would (its messages named ppo.py), with module
+    attributes replaced while it runs, and sets every one back as it was when the run stops."""
+    originals, seen = (ppo.sample_responses, ppo.check_args, sys.argv), []
+
+    def stand_in(*a, **k):
+        raise AssertionError("not reached: the run stops at its argument checks")
+
+    def checked(args):  # where ppo.main starts: the replacements are in place, the run named ppo.py
+        seen.append((ppo.sample_responses is stand_in, sys.argv[0]))
+        originals[1](args)
+
+    with pytest.raises(SystemExit, match="^ppo.py: error: --total-episodes must be at least 1"):
+        benchmark.run_ppo(["--total-episodes", "0"], {(ppo, "sample_responses"): stand_in, (ppo, "check_args"): checked})
+    assert seen == [(True, "ppo.py")] and (ppo.sample_responses, ppo.check_args, sys.argv) == originals
 
 
 # ---------------------------------------------------------------------------------------------------------------------
