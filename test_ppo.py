@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import glob
-import inspect
 import io
 import json
 import math
