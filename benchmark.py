@@ -3,7 +3,7 @@ is too rare to stop all responses early. A shared CPU's speed drifts by tens of 
 turns, one iteration each: in fresh processes for the table (in_turns), in this one for the profile (profile_in_turns).
 What earlier versions also measured (2 ranks, the limit against itself, each engine's memory): docs/scaling.md.
 
-    python benchmark.py                       # the table, then the profile (about 4 minutes on 2 idle cores)
+    python benchmark.py                       # the table, then the profile (75 s on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
     python benchmark.py --preset pythia-1b    # a GPU shape like Pythia-1B, in bf16
     python benchmark.py --trl-python trl-venv/bin/python   # ppo.py against TRL 1.12's PPOTrainer
