@@ -1,7 +1,7 @@
 """Benchmark: ppo.py (ppo.main) against the limit of its own model calls (limit_iteration), on random models whose EOS
 is too rare to stop all responses early. A shared CPU's speed drifts by tens of percent within seconds, so the two take
 turns, one iteration each: in fresh processes for the table (in_turns), in this one for the profile (profile_in_turns).
-What earlier versions also measured (2 ranks, the limit against itself, each engine's memory): docs/scaling.md.
+What earlier versions measured too (2 ranks, the limit against itself, engines' memory) is in docs/scaling.md.
 
     python benchmark.py                       # the table, then the profile (75 s on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
@@ -10,6 +10,7 @@ What earlier versions also measured (2 ranks, the limit against itself, each eng
 """
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -77,6 +78,8 @@ class Args:
     """where the table is written"""
     profile: bool = False
     """only the profile: where one iteration's time goes, phase by phase, in ppo.py and the limit, in this process"""
+    profile_limit_apart: bool = False
+    """the profile's limit timed before ppo.py loads, not beside it (--preset pythia-1b's 8 models overfill 80 GB)"""
     trl_python: str | None = None
     """a Python with trl==1.12.0 (not ours): ppo.py and the limit on TRL's models at its settings, TRL in the turns"""
     trl_script: str = "../shared/peers/trl_ppo_baseline.py"
@@ -84,11 +87,8 @@ class Args:
 
 
 def main(args: Args) -> None:
-    print(f"shape: {args.episodes} episodes of {args.prompt_len} + {args.response_len} tokens, {args.num_layers} "
-          f"layers of width {args.hidden_size} ({args.num_heads} heads, MLP {args.intermediate_size}), vocabulary "
-          f"{args.vocab_size}, {args.dtype}; on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
-          f" with {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads; load average "
-          f"{os.getloadavg()[0]:.2f} (1 minute)", flush=True)
+    print(f"{asdict(args)}; on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, {os.cpu_count()}"
+          f" CPU cores, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
         if args.profile:
@@ -110,9 +110,8 @@ def main(args: Args) -> None:
                 turns[name] += seconds_of[name][args.warmup_iterations:-1]
         for ours in ["ppo.py", "limit"] if args.trl_python else []:  # a turn: an iteration, its logging included
             over = [statistics.median(t / o for t, o in zip(turns[name], turns[ours])) for name in list(sides)[2:]]
-            print(f"{ours}'s episodes per second over TRL's, the median over {len(turns[ours])} pairs of iterations "
-                  f"next to each other in time: over TRL without its garbage collection {over[0]:.2f}, over TRL as "
-                  f"shipped {over[1]:.2f}")
+            print(f"{ours}'s episodes per second over TRL's (median of {len(turns[ours])} pairs of iterations next to "
+                  f"each other): over TRL with gc.freeze() {over[0]:.2f}, over TRL as shipped {over[1]:.2f}")
         print("the profile: ppo.py and the limit in this process, phase by phase ...", flush=True)
         ppo_profile, limit_profile = profile_in_turns(args, folder)
 
@@ -229,8 +228,7 @@ def wait_for_turn() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 def ppo_in_turns(args: Args, flags: list[str]) -> None:
-    """ppo.py (run_ppo), waiting for its turn before each iteration's prompts, outside its timings; then the timed
-    iterations' metrics as JSON."""
+    """ppo.py (run_ppo), waiting for its turn before each iteration, outside its timings; then its timed metrics."""
     timed, prompts_of_iteration, log_iteration = [], ppo.prompts_of_iteration, ppo.log_iteration
 
     def in_turn(*a, **k):
@@ -264,8 +262,7 @@ def seconds(times: dict) -> float:
     return times["rollout"] + times["update"]
 
 def table_row(args: Args, pairs: list[tuple[dict, dict]]) -> dict:
-    """From pairs of an iteration of ppo.py (its metrics) and the limit's next to it in time: the median times, the
-    medians of the pairs' ratios, throughput, and peak memory (as ppo.py logs it: on a CPU, resident)."""
+    """Median times and ratios of pairs of ppo.py's iteration (its metrics) and the limit's, throughput, peak memory."""
     metrics = [m for m, _ in pairs]
     if any(m["val/response_length"] < 0.9 * args.response_len for m in metrics):  # a random model rarely samples EOS
         raise SystemExit("benchmark.py: responses stopped early; the timings would not compare")
@@ -373,8 +370,7 @@ def limit_iteration(args: Args, flags: list[str]):
     return one_iteration
 
 def phase_timer():
-    """(totals, phase): `with phase(name):` adds the time spent inside to totals[name]; a phase inside another counts
-    for the outer one. Each phase waits for the accelerator at its start and end, so that its time is its work's."""
+    """(totals, phase): `with phase(name):` adds its time, the accelerator synced, to totals[name] (if outermost)."""
     totals, open_phases = dict.fromkeys(PHASES, 0.0), []
 
     @contextlib.contextmanager
@@ -402,13 +398,11 @@ PHASE_OF = {
     **{(owner, name): "rewards, GAE and whitening" for owner, name in [
         (ppo, "batch_mean_var"), (rlhf_math, "per_token_rewards"), (rlhf_math, "gae_advantages_and_returns"),
         (rlhf_math, "masked_whiten")]},
-    (ppo, "response_logits"): ("actor forward and loss", None),
+    (ppo, "response_logits"): ("actor forward and loss", None), (rlhf_math, "policy_loss"): "actor forward and loss",
     (rlhf_math, "logprobs_from_logits"): ("actor forward and loss", None),
-    (rlhf_math, "policy_loss"): "actor forward and loss",
-    (rlhf_math, "value_loss"): "critic forward and loss",
+    (rlhf_math, "value_loss"): "critic forward and loss", (DeepSpeedEngine, "step"): "optimizer steps",
     (DeepSpeedEngine, "backward"): lambda engine, *a, **k: "critic backward" if hasattr(engine.module, "score")
     else "actor backward",
-    (DeepSpeedEngine, "step"): "optimizer steps",
     **{(ppo, name): "checks, statistics and logging" for name in [
         "check_finite_rollout", "check_update", "new_update_sums", "add_update_sums", "iteration_metrics",
         "log_iteration"]},
@@ -421,6 +415,13 @@ def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
     last = args.warmup_iterations + args.iterations  # ppo.py's extra iteration: its start ends the timed ones
     flags = ppo_flags(args, folder, "benchmark_profile", last + 1)
     limit_one_iteration, (limit_totals, limit_phase), limit_timed = limit_iteration(args, flags), phase_timer(), []
+    if args.profile_limit_apart:  # all the limit's iterations first; its models go before ppo.py's engines load
+        for i in range(last):
+            limit_totals.update(dict.fromkeys(PHASES, 0.0) if i == args.warmup_iterations else {})
+            limit_timed.append(seconds(limit_one_iteration(limit_phase)))
+        limit_one_iteration = None
+        gc.collect()
+        get_accelerator().empty_cache()
     (totals, phase), timed_totals = phase_timer(), {}  # the totals when the timed iterations end
     starts, ends = [], []  # where each iteration of ppo.py starts, and where each start finds the one before it ending
     limit_running = [False]  # the limit calls ppo.py's helpers too: not ppo.py's phases
@@ -428,9 +429,9 @@ def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
     def iteration_start(prompts, iteration, *a, **k):
         ends.append(time.perf_counter())
         if iteration == args.warmup_iterations:  # the phases of the timed iterations only
-            for phase_totals in [totals, limit_totals]:
+            for phase_totals in [totals] + ([] if args.profile_limit_apart else [limit_totals]):
                 phase_totals.update(dict.fromkeys(PHASES, 0.0))
-        if iteration < last:
+        if iteration < last and limit_one_iteration is not None:
             limit_running[0] = True
             limit_timed.append(seconds(limit_one_iteration(limit_phase)))
             limit_running[0] = False
@@ -457,8 +458,7 @@ def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
             for phase_totals, iterations in [(timed_totals, ppo_timed), (limit_totals, limit_timed[-args.iterations:])]]
 
 def print_profile(ppo_profile: dict, limit: dict) -> None:
-    """The phases of ppo.py's iteration beside the limit's, in seconds per iteration ("other": outside every phase),
-    and the median of ppo.py's iterations over the limit's just before each."""
+    """ppo.py's phases beside the limit's, in seconds per iteration ("other": outside every phase), and the ratio."""
     print("\n| phase | ppo.py s | limit s | ppo.py - limit s |\n|---|---|---|---|")
     ours, limit_rows = ({**p["phases"], "other": p["mean_iteration"] - sum(p["phases"].values()),
                          "iteration": p["mean_iteration"]} for p in [ppo_profile, limit])
