@@ -1,7 +1,6 @@
 """Benchmark: ppo.py (ppo.main) against the limit of its own model calls (limit_iteration), on random models whose EOS
 is too rare to stop all responses early. A shared CPU's speed drifts by tens of percent within seconds, so the two take
 turns, one iteration each: in fresh processes for the table (in_turns), in this one for the profile (profile_in_turns).
-What earlier versions measured too (2 ranks, the limit against itself, engines' memory) is in docs/scaling.md.
 
     python benchmark.py                       # the table, then the profile (75 s on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
@@ -87,8 +86,10 @@ class Args:
 
 
 def main(args: Args) -> None:
-    print(f"{asdict(args)}; on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, {os.cpu_count()}"
-          f" CPU cores, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"shape: {args.episodes} episodes of {args.prompt_len} + {args.response_len} tokens, {args.num_layers} layers"
+          f" of width {args.hidden_size} ({args.num_heads} heads, MLP {args.intermediate_size}), vocabulary "
+          f"{args.vocab_size}, {args.dtype}; on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'},"
+          f" {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
         if args.profile:
@@ -479,8 +480,7 @@ def trl_command(args: Args, work_dir: str, iterations: int, gc_freeze: bool) -> 
             str(args.intermediate_size), "--ppo-epochs", str(args.num_ppo_epochs), "--mini-batches",
             str(args.num_mini_batches), *(["--gc-freeze"] if gc_freeze else [])]
 
-# TRL's script in turns, in TRL's Python: its main, with TRL's batch_generation, which the trainer calls where each
-# iteration starts, stopping first for the turn (as wait_for_turn). argv: the script, then its arguments.
+# TRL's script in turns (argv: it, its arguments): its batch_generation, where an iteration starts, waits for the turn.
 TRL_IN_TURNS = """
 import importlib, os, signal, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
