@@ -1040,12 +1040,13 @@ def test_processes_take_turns(tmp_path):
             benchmark.in_turns({"a": side("a"), "b": side("fails", fails_at)}, 4)
 
 
-def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
+@pytest.mark.parametrize("apart", [False, True])
+def test_benchmark_profile_takes_turns_with_the_limit(apart, monkeypatch, capsys):
     """--profile in one process (profile_in_turns): an iteration of the limit where each of ppo.py's starts, none at the
     last start (which only ends ppo.py's timed iterations), outside ppo.py's time and phases; each of ppo.py's timed
-    iterations over the limit's just before it. A fake clock: the limit's k-th iteration takes k + 1 s of generation
-    and 0.25 s in ppo.response_logprobs inside it; ppo.py's k-th, 2 (k + 1) s of generation and 0.25 s of actor
-    log-probs."""
+    iterations over the limit's just before it. With --profile-limit-apart all the limit's iterations come first, and
+    the same figures. A fake clock: the limit's k-th iteration takes k + 1 s of generation and 0.25 s in
+    ppo.response_logprobs inside it; ppo.py's k-th, 2 (k + 1) s of generation and 0.25 s of actor log-probs."""
     clock, events = [0.0], []
 
     def spend(seconds):
@@ -1077,9 +1078,9 @@ def test_benchmark_profile_takes_turns_with_the_limit(monkeypatch, capsys):
     monkeypatch.setattr(ppo, "prompts_of_iteration", lambda *a, **k: [])
     monkeypatch.setattr(ppo, "sample_responses", lambda *a, **k: spend(2.0 * events.count("ppo")))
     monkeypatch.setattr(ppo, "response_logprobs", lambda *a, **k: spend(0.25))
-    args = benchmark.Args(warmup_iterations=1, iterations=3)
+    args = benchmark.Args(warmup_iterations=1, iterations=3, profile_limit_apart=apart)
     ppo_profile, limit = benchmark.profile_in_turns(args, "folder")
-    assert events == ["limit", "ppo"] * 4 + ["ppo"]
+    assert events == (["limit"] * 4 + ["ppo"] * 5 if apart else ["limit", "ppo"] * 4 + ["ppo"])
     assert ppo_profile["timed"] == [4.25, 6.25, 8.25] and limit["timed"] == [2.25, 3.25, 4.25]  # no warm-up's
     assert ppo_profile["phases"] == {**dict.fromkeys(benchmark.PHASES, 0.0), "generation": 6.0, "actor log-probs": 0.25}
     assert limit["phases"] == {**dict.fromkeys(benchmark.PHASES, 0.0), "generation": 3.25}
