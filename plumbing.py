@@ -231,7 +231,7 @@ def retokenized(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_le
     for ids, mask in zip(sequences, attention_mask.bool()):
         prompt, response = ids[:prompt_len][mask[:prompt_len]], ids[prompt_len:][mask[prompt_len:]]
         prompts.append(other_tokenizer(tokenizer.decode(prompt, skip_special_tokens=True),
-                                        split_special_tokens=True)["input_ids"])
+                                       split_special_tokens=True)["input_ids"])
         eos = [other_tokenizer.eos_token_id] if (response == tokenizer.eos_token_id).any() else []
         text = tokenizer.decode(response, skip_special_tokens=True)
         # A response of special tokens only, without EOS, decodes to nothing: its score is read at an EOS.

@@ -241,8 +241,9 @@ def test_named_files_exist():
 
 
 def test_named_functions_are_defined():
-    defined = {path.stem: top_level_names(module) for path, module in repository_modules().items()}
-    functions = set().union(*map(function_names, repository_modules().values()))
+    modules_by_path = repository_modules()
+    defined = {path.stem: top_level_names(module) for path, module in modules_by_path.items()}
+    functions = set().union(*map(function_names, modules_by_path.values()))
     modules = "|".join(sorted(defined, key=len, reverse=True))
     missing = []
     for page in PAGES:
