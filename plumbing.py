@@ -33,7 +33,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.utils.tensorboard import SummaryWriter
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 # --- Stopping with one line that says what to fix. ---
@@ -310,6 +310,46 @@ def gathered(engine, enabled: bool):
             table.update(saved[key])
         if partitioned:  # back to this rank's shard; nothing was changed, so nothing is written back
             partitioned[0].partition(param_list=partitioned, has_been_updated=False)
+
+def inference_copy(model, device: torch.device, trust_remote_code: bool):
+    """A plain copy of a model's architecture, for inference: in its dtype, on `device`, no gradients, no DeepSpeed
+    hooks; its weights come from copy_weights. Built from the config (a ZeRO-3 model's own weights are shards)."""
+    with torch.device(device):
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype,
+                                                trust_remote_code=trust_remote_code)
+    return copy.eval().requires_grad_(False)
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """target's weights set to source's, in place: each stays in its storage (a recorded CUDA graph reads it there)."""
+    sources, targets = dict(source.named_parameters()), dict(target.named_parameters())
+    if sources.keys() != targets.keys():
+        fail(f"{type(source).__name__}'s weights are not those of a plain copy of it (LoRA adapters?)")
+    torch._foreach_copy_([targets[name] for name in sources], list(sources.values()))
+
+def cuda_graph(function, args: tuple):
+    """function(*args) recorded once as a CUDA graph, after three runs on a side stream (which compile it), and a
+    replay(*new_args) that copies each tensor of new_args into the recorded one, replays the graph (one launch for
+    all its kernels) and returns the recorded outputs, overwritten by the next replay. Every other tensor the graph
+    reads, weights or a cache, must stay in its storage: the graph reads those addresses."""
+    recorded = [arg.clone() if torch.is_tensor(arg) else arg for arg in args]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            function(*recorded)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = function(*recorded)
+
+    def replay(*new_args):
+        for arg, new in zip(recorded, new_args):
+            if torch.is_tensor(arg):
+                arg.copy_(new)
+        graph.replay()
+        return outputs
+    return replay
 
 def add_lora(model, lora_dim: int, args):
     """LoRA (Hu et al. 2021): beside each targeted linear layer W, a trainable low-rank update (alpha / r) B A, with

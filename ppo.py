@@ -34,7 +34,7 @@ from deepspeed.accelerator import get_accelerator
 from rich.console import Console
 from rich.table import Table
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
-                          get_scheduler)
+                          StaticCache, get_scheduler)
 from transformers.integrations import HfDeepSpeedConfig
 
 import plumbing
@@ -87,6 +87,10 @@ class Args:
     """longest response; a response that reaches it without EOS is cut there"""
     temperature: PositiveFloat = 1.0
     """sampling temperature; the log-probs are computed at the same temperature"""
+    sampler: Literal["auto", "eager", "static"] = "auto"
+    """eager: `sample`, token by token; static: `sample_static`, fixed shapes for one decode step, compiled and on CUDA
+    replayed as a CUDA graph; auto: static on CUDA unless the actor has LoRA adapters, --enable-hybrid-engine, or
+    --no-gather-weights-for-rollout under ZeRO-3"""
     min_response_tokens: int = 1
     """responses with fewer real tokens (EOS not counted) are invalid and left out of the update"""
     missing_eos_penalty: float | None = None
@@ -287,6 +291,8 @@ def main(args: Args) -> None:
     check_normalization(reward.module.config, run["inputs"]["--actor-model-name-or-path"], args)
     generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     actor.module.generation_config = generation_config  # replaces the model's own, so that nothing else is applied
+    sampler = static_sampler(actor, generation_config, is_main, args, device) if args.sampler == "static" or (
+        args.sampler == "auto" and device.type == "cuda" and not static_sampler_blocker(args)) else None
 
     start_iteration, kl_coef, last_valid = 0, args.kl_coef, None  # last_valid: the last valid batch and its P
     if args.resume:
@@ -310,7 +316,7 @@ def main(args: Args) -> None:
             # 1. Generate: sample a response to every prompt from the current policy pi_theta.
             # (gathered: nothing below ZeRO-3; under it, one gather for the actor's generation and its log-probs.)
             with plumbing.gathered(actor, gather_actor):
-                responses = sample_responses(actor, prompt_ids, prompt_mask, generation_config, gather_actor,
+                responses = sample_responses(actor, sampler, prompt_ids, prompt_mask, generation_config, gather_actor,
                                              args.enable_hybrid_engine, iteration, start_iteration)
                 generation_time = time.time() - rollout_start
                 # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
@@ -409,7 +415,8 @@ def main(args: Args) -> None:
         rollout_stats = dict(kl=kl, scores=scores, valid=valid, logprobs=logprobs, update_mask=update_mask,
                              response_mask=response_mask, contains_eos=contains_eos)
         times = {"eps": (iteration + 1 - start_iteration) * args.batch_size / (time.time() - start_time),
-                 "time/rollout": rollout_time, "time/generation": generation_time, "time/update": update_time}
+                 "time/rollout": rollout_time, "time/generation": generation_time, "time/update": update_time,
+                 **({"perf/decode_step_recordings": sampler["recordings"]} if sampler else {})}
         metrics = iteration_metrics(update_sums, rollout_stats, kl_coef, lr, iteration, times, args)
         if is_main:
             log_iteration(metrics, iteration, writer, metrics_file, tokenizer, (prompt_ids, responses, scores), args)
@@ -474,15 +481,17 @@ def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -
     first = (iteration % batches_per_pass) * args.batch_size + rank * args.per_device_rollout_batch_size
     return [prompts[i] for i in order[first : first + args.per_device_rollout_batch_size]]
 
-def sample_responses(actor, prompt_ids, prompt_mask, generation_config, weights_gathered: bool, hybrid: bool,
-                     iteration: int, start: int) -> torch.Tensor:
+def sample_responses(actor, sampler: dict | None, prompt_ids, prompt_mask, generation_config, weights_gathered: bool,
+                     hybrid: bool, iteration: int, start: int) -> torch.Tensor:
     """A response to each prompt, [B, P] -> [B, max_new_tokens] right-padded: `sample` (synced under ZeRO-3 without
-    gathered weights) or the hybrid engine's generate; non-finite probabilities, or its failure, stop with one line."""
+    gathered weights), `sample_static` with a sampler, or the hybrid engine's generate; non-finite probabilities, or
+    its failure, stop with one line."""
     actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
     synced = actor.zero_optimization_stage() == 3 and not weights_gathered
     try:
         responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
                                           generation_config=generation_config)[:, prompt_ids.shape[1] :] if hybrid \
+            else sample_static(sampler, actor.module, prompt_ids, prompt_mask, generation_config) if sampler \
             else sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
     except Exception as error:
         if "probability tensor contains" in str(error):  # torch.multinomial's "... contains inf, nan or < 0"
@@ -521,6 +530,77 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
                           "argument, which ppo.py samples with: upgrade transformers, or use one of its own models")
         attention_mask, position_ids = torch.cat([attention_mask, torch.ones_like(tokens)], 1), position_ids[:, -1:] + 1
     return torch.cat(responses, dim=1)
+
+def sample_static(sampler: dict, actor, prompt_ids, prompt_mask, config: GenerationConfig) -> torch.Tensor:
+    """`sample` with every shape fixed, so that one decode step is compiled once and, on CUDA, replayed from a recorded
+    CUDA graph (one launch a token instead of hundreds): the prompts left-padded to --max-prompt-len, a static key-value
+    cache, the stop check left on the device and read every 16 tokens. The same draw (test_ppo), from a copy of the
+    actor (static_sampler); its logits only pick tokens: the update's log-probs come from the eager forward."""
+    model, cache, R = sampler["model"], sampler["cache"], config.max_new_tokens
+    plumbing.copy_weights(actor, model)  # pi_theta of this rollout, into the storage that the step reads
+    if step_reads(model, cache) != sampler["reads"]:  # never for a kept copy: a graph would read freed memory
+        record_decode_step(sampler, len(prompt_ids), config)
+    pad = sampler["prompt_len"] - prompt_ids.shape[1]
+    prompt_ids = torch.nn.functional.pad(prompt_ids, (pad, 0), value=config.pad_token_id)
+    prompt_mask = torch.nn.functional.pad(prompt_mask, (pad, 0))
+    cache.reset()
+    # [B, P + R] from the start: the positions not yet written are hidden by causality, not by the mask.
+    attention_mask, position_ids = torch.nn.functional.pad(prompt_mask, (0, R), value=1), position_ids_from(prompt_mask)
+    tokens, running, responses = prompt_ids, torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []
+    for t in range(R):
+        step = sampler["step"] if t else decode_step  # the prompt's pass, in the prompt's shape, runs eager
+        _, tokens, running = step(model, cache, tokens, attention_mask, position_ids, running, config)
+        tokens, running = tokens.clone(), running.clone()  # the next replay overwrites a recorded graph's outputs
+        responses.append(tokens)
+        if t % 16 == 15 and not running.any():  # a host sync every 16 tokens, not every token
+            break
+        position_ids = position_ids[:, -1:] + 1
+    return torch.cat(responses, dim=1)
+
+def decode_step(model, cache, tokens, attention_mask, position_ids, running, config: GenerationConfig):
+    """One token of `sample` for every sequence: tokens [B, t] (the prompt, or the last token) in; out the scaled
+    logits z [B, V], the next tokens [B, 1] and which sequences have no EOS yet [B]. a_t ~ softmax(z) is drawn as
+    argmax_i p_i / q_i with q_i ~ Exp(1) (which gives i with probability p_i): torch.multinomial syncs with the host."""
+    out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    z = out.logits[:, -1].float() / config.temperature
+    z[:, config.suppress_tokens] = -math.inf
+    draw = (torch.softmax(z, dim=-1) / torch.empty_like(z).exponential_()).argmax(dim=-1, keepdim=True)
+    tokens = torch.where(running.unsqueeze(1), draw, config.pad_token_id)
+    return z, tokens, running & (tokens.squeeze(1) != config.eos_token_id)
+
+def static_sampler(actor, config: GenerationConfig, is_main: bool, args: Args, device) -> dict:
+    """What sample_static keeps from one rollout to the next, so that its recorded step reads the same memory every
+    time: a copy of the actor (the weights copied in at each rollout; under ZeRO-3 the gathered ones are in new storage
+    every time), a static key-value cache of --max-prompt-len + max_new_tokens positions, and the step. They stay
+    through the update: freed, they would come back elsewhere, and the step would be recorded again."""
+    if is_main:
+        print("compiling the decode step of --sampler static (about a minute) ...", flush=True)
+    model = plumbing.inference_copy(actor.module, device, args.trust_remote_code)
+    cache = StaticCache(config=model.config, max_cache_len=args.max_prompt_len + config.max_new_tokens)
+    sampler = {"model": model, "cache": cache, "prompt_len": args.max_prompt_len, "recordings": 0}
+    record_decode_step(sampler, args.per_device_rollout_batch_size, config)
+    return sampler
+
+@torch.no_grad()  # as in the rollout: a change of grad mode would compile the step again
+def record_decode_step(sampler: dict, batch_size: int, config: GenerationConfig) -> None:
+    """sampler["step"]: decode_step for [batch_size, 1] tokens, compiled, and on CUDA recorded as a CUDA graph, after a
+    prompt of pad tokens has laid out the static cache; the addresses it reads kept, its recordings counted."""
+    model, cache = sampler["model"], sampler["cache"]
+    ids = torch.full((batch_size, sampler["prompt_len"]), config.pad_token_id, device=model.device)
+    mask, running = torch.ones_like(ids), torch.ones(batch_size, dtype=torch.bool, device=model.device)
+    attention_mask = torch.nn.functional.pad(mask, (0, config.max_new_tokens), value=1)
+    decode_step(model, cache, ids, attention_mask, position_ids_from(mask), running, config)  # the cache's tensors
+    step = torch.compile(decode_step, fullgraph=True, dynamic=False)
+    inputs = (model, cache, ids[:, -1:].contiguous(), attention_mask, position_ids_from(mask)[:, -1:] + 1, running, config)
+    step(*inputs)  # compiled here, not in the first rollout
+    sampler["step"] = plumbing.cuda_graph(step, inputs) if model.device.type == "cuda" else step
+    sampler["reads"], sampler["recordings"] = step_reads(model, cache), sampler["recordings"] + 1
+
+def step_reads(model, cache) -> list[int]:
+    """The addresses of the weights and the key-value cache that the decode step reads."""
+    return [t.data_ptr() for t in [*model.parameters(), *model.buffers(), *(
+        getattr(layer, name) for layer in cache.layers for name in ("keys", "values", "cumulative_length"))]]
 
 def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
     """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, joined: one's memory."""
@@ -759,6 +839,15 @@ def check_args(args: Args) -> None:
         plumbing.fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
         plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
+    if args.sampler == "static" and static_sampler_blocker(args):
+        plumbing.fail(f"--sampler static {static_sampler_blocker(args)}: use --sampler eager")
+
+def static_sampler_blocker(args: Args) -> str | None:
+    """Why sample_static cannot sample this run, or None."""
+    return ("samples from a plain copy of the actor, without its LoRA adapters (--actor-lora-dim)" if args.actor_lora_dim
+            else "and --enable-hybrid-engine are two ways to sample" if args.enable_hybrid_engine
+            else "keeps a whole copy of the actor on each device, more than --no-gather-weights-for-rollout allows"
+            if args.actor_zero_stage == 3 and not args.gather_weights_for_rollout else None)
 
 def check_models(args: Args, is_main: bool):
     """The model folders and tokenizers, checked before any model loads: the actor's tokenizer (left padding), the

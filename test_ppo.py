@@ -37,7 +37,7 @@ import sft
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
-from test_plumbing import HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
+from test_plumbing import BASE_MODEL, HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
 from test_sft_and_reward_model import (ENV, check_errors, free_port, launcher, processes_with, run,
                                        run_in_process)
 
@@ -490,7 +490,7 @@ def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
         model.lm_head.weight.fill_(float("nan"))
     actor = types.SimpleNamespace(module=model, eval=model.eval, train=model.train, zero_optimization_stage=lambda: 0)
     prompt = torch.tensor([tokenizer("The story").input_ids])
-    sample = functools.partial(ppo.sample_responses, actor, prompt, torch.ones_like(prompt),
+    sample = functools.partial(ppo.sample_responses, actor, None, prompt, torch.ones_like(prompt),
                                ppo.sampling_config(tokenizer, 4, 1.0), False, False, 3, 0)
     check_stops([(sample, "iteration 3: the actor's next-token probabilities are not finite while sampling (probability "
                           "tensor contains either `inf`, `nan` or element < 0); lower the learning rates")])
@@ -504,7 +504,7 @@ def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
     def hybrid_generate(**_):  # DeepSpeed 0.19.8's hybrid engine on transformers 5.24's Llama, seen on an H200
         raise AttributeError("'tuple' object has no attribute 'size'\n")  # a message on one line, whatever it holds
     model.generate = hybrid_generate
-    hybrid = functools.partial(ppo.sample_responses, actor, prompt, torch.ones_like(prompt),
+    hybrid = functools.partial(ppo.sample_responses, actor, None, prompt, torch.ones_like(prompt),
                                ppo.sampling_config(tokenizer, 4, 1.0), False, True)
     check_stops([(lambda: hybrid(2, 2), "DeepSpeed's hybrid engine failed on LlamaForCausalLM (AttributeError: 'tuple' "
                                         "object has no attribute 'size'); its layers are transformers 4's "
@@ -535,6 +535,104 @@ def test_sample_stops_as_generate_does(stages):
     check_stops([(lambda: ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False),
                   f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` argument, which "
                   "ppo.py samples with: upgrade transformers, or use one of its own models")])
+
+
+@pytest.fixture(scope="module")
+def static_draws():
+    """sample_static on the bundled model in bf16: 4 prompts x 16 rows, 6 rollouts of 12 tokens at temperature 0.7.
+    For each rollout: its responses [64, 12], the logits z that its compiled step drew tokens 2-12 from [64, 11, V],
+    and the eager forward's logits of every response token on the same sequences, in bf16 and in fp32 ([64, 12, V]
+    each), scaled and suppressed alike."""
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16).eval()
+    exact = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
+    config = ppo.sampling_config(tokenizer, 12, 0.7)
+    prompts = tokenizer(["The story", "I watched this film last night and", "We", "The acting was"] * 16,
+                        padding=True, return_tensors="pt")
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    sampler = ppo.static_sampler(types.SimpleNamespace(module=model), config, False,
+                                 ppo.Args(max_prompt_len=16, per_device_rollout_batch_size=64), torch.device("cpu"))
+    step, logits = sampler["step"], []
+
+    def recorded(*inputs):  # the compiled step, its logits kept
+        z, tokens, running = step(*inputs)
+        logits[-1].append(z.clone())
+        return z, tokens, running
+    sampler["step"], draws = recorded, []
+    with torch.no_grad():
+        for seed in range(6):
+            torch.manual_seed(seed)
+            logits.append([])
+            responses = ppo.sample_static(sampler, model, ids, mask, config)
+            eager = [response_logits(m, torch.cat([ids, responses], 1), torch.cat([mask, torch.ones_like(responses)],
+                                                                                   1), ids.shape[1]).float() / 0.7
+                     for m in (model, exact)]
+            for z in eager:
+                z[..., config.suppress_tokens] = -math.inf
+            draws.append((responses, torch.stack(logits[-1], dim=1), *eager))
+    assert sampler["recordings"] == 1
+    return draws, tokenizer.eos_token_id
+
+
+def test_static_sampling_step_gives_the_eager_logits(static_draws):
+    """The compiled decode step's logits, wherever they draw a token (after the first, which the prompt's eager pass
+    draws; up to the EOS: after it the step reads pad tokens, and its tokens are pad whatever they say), are the eager
+    forward's within bf16's precision: no further from the fp32 forward's than the eager bf16 forward's are (the mean
+    and the largest error at most 1.5 and 2 times the eager one's; they are near 0.01 and 0.2 for logits up to 22)."""
+    for responses, z, eager, exact in static_draws[0]:
+        eager, exact = eager[:, 1:], exact[:, 1:]
+        assert torch.equal(torch.isfinite(z), torch.isfinite(exact))
+        drawing = rlhf_math.response_mask_from_stop(responses, static_draws[1])[:, 1:].bool().unsqueeze(-1)
+        finite = torch.isfinite(exact) & drawing
+        ours, bf16 = ((logits - exact)[finite].abs() for logits in (z, eager))
+        assert ours.mean() <= 1.5 * bf16.mean() and ours.max() <= 2 * bf16.max(), (ours.mean(), bf16.mean(),
+                                                                                    ours.max(), bf16.max())
+
+
+def test_static_sampling_draws_from_the_policy(static_draws):
+    """The tokens of sample_static follow the eager policy softmax(z / tau), at every position up to the EOS: with
+    a drawn from p, the randomized probability integral transform u = P(a' < a) + v p(a), v ~ U(0, 1), is uniform,
+    and independent from one position to the next (Rosenblatt 1952). The Kolmogorov-Smirnov distance of all u from
+    uniform stays below its 0.1% critical value 1.95 / sqrt(n) (a statistical test: no seed has to match)."""
+    draws, eos = static_draws
+    generator, transformed = torch.Generator().manual_seed(0), []
+    for responses, _, eager, _ in draws:
+        p = torch.softmax(eager, dim=-1)  # [B, R, V]
+        drawn = responses.unsqueeze(-1)
+        p_drawn = p.gather(-1, drawn)
+        u = p.cumsum(dim=-1).gather(-1, drawn) - p_drawn + torch.rand(p_drawn.shape, generator=generator) * p_drawn
+        transformed.append(u.squeeze(-1)[rlhf_math.response_mask_from_stop(responses, eos).bool()])
+    u = torch.cat(transformed).sort().values.double()
+    n = len(u)
+    distance = max((torch.arange(1, n + 1) / n - u).max(), (u - torch.arange(n) / n).max())
+    assert n > 3000 and distance < 1.95 / n**0.5, (n, distance)
+
+
+def test_static_sampling_under_zero3_records_its_step_once(stages, tmp_path, monkeypatch):
+    """--sampler static on a CPU with the actor under ZeRO-3, for 4 rollouts: the actor's gathered weights are in new
+    storage at every rollout (on one rank, DeepSpeed gathers into the same storage each time: here they are moved, as
+    the all-gathers of several ranks move them, and each rollout's kept alive, so that none comes back at an old
+    address), the copy that sample_static samples from holds that rollout's weights, and the decode step was recorded
+    once for the whole run, as perf/decode_step_recordings logs."""
+    seen, sample_static = [], ppo.sample_static
+
+    def recorded(sampler, actor, *inputs):
+        for p in actor.parameters():
+            p.data = p.data.clone()
+        weights = [p.data for p in actor.parameters()]
+        responses = sample_static(sampler, actor, *inputs)
+        seen.append((weights, sampler["recordings"],
+                     all(torch.equal(p, q) for p, q in zip(actor.parameters(), sampler["model"].parameters()))))
+        return responses
+    monkeypatch.setattr(ppo, "sample_static", recorded)
+    for old in glob.glob("runs/test_static_zero3__*"):
+        shutil.rmtree(old)
+    run_in_process("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "32", "--actor-zero-stage", "3",
+                              "--sampler", "static", "--output-dir", str(tmp_path / "out"), "--exp-name",
+                              "test_static_zero3"], must_stop=False)
+    assert len({weights[0].data_ptr() for weights, _, _ in seen}) == len(seen) == 4, "the premise: new storage"
+    assert [(recordings, same) for _, recordings, same in seen] == [(1, True)] * 4
+    assert [m["perf/decode_step_recordings"] for m in read_metrics("test_static_zero3")] == [1] * 4
 
 
 def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch, capsys):
@@ -757,6 +855,11 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         ({"only_optimize_lora": True}, "--only-optimize-lora needs the actor's adapters"),
         ({"align_overflow": True}, "--align-overflow is for --dtype fp16"),
         ({"inference_tp_size": 2}, "--inference-tp-size above 1 needs --enable-hybrid-engine"),
+        ({"sampler": "static", "actor_lora_dim": 4}, "--sampler static samples from a plain copy of the actor, without "
+                                                     "its LoRA adapters (--actor-lora-dim): use --sampler eager"),
+        ({"sampler": "static", "actor_zero_stage": 3, "gather_weights_for_rollout": False},
+         "--sampler static keeps a whole copy of the actor on each device, more than "
+         "--no-gather-weights-for-rollout allows: use --sampler eager"),
         ({"offload": True, "actor_zero_stage": 2}, "--offload needs --critic-zero-stage 1, 2 or 3"),
     ]])
     # (A wrong data file or model folder alone, through plumbing's load_split and check_model_folder: test_plumbing.py.)
