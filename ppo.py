@@ -560,7 +560,8 @@ def sample_static(sampler: dict, actor, prompt_ids, prompt_mask, config: Generat
 def decode_step(model, cache, tokens, attention_mask, position_ids, running, config: GenerationConfig):
     """One token of `sample` for every sequence: tokens [B, t] (the prompt, or the last token) in; out the scaled
     logits z [B, V], the next tokens [B, 1] and which sequences have no EOS yet [B]. a_t ~ softmax(z) is drawn as
-    argmax_i p_i / q_i with q_i ~ Exp(1) (which gives i with probability p_i): torch.multinomial syncs with the host."""
+    argmax_i p_i / q_i with q_i ~ Exp(1) > 0 (the race gives i with probability p_i): torch.multinomial syncs with the
+    host."""
     out = model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                 use_cache=True, logits_to_keep=1)
     z = out.logits[:, -1].float() / config.temperature
@@ -592,7 +593,8 @@ def record_decode_step(sampler: dict, batch_size: int, config: GenerationConfig)
     attention_mask = torch.nn.functional.pad(mask, (0, config.max_new_tokens), value=1)
     decode_step(model, cache, ids, attention_mask, position_ids_from(mask), running, config)  # the cache's tensors
     step = torch.compile(decode_step, fullgraph=True, dynamic=False)
-    inputs = (model, cache, ids[:, -1:].contiguous(), attention_mask, position_ids_from(mask)[:, -1:] + 1, running, config)
+    position_ids = torch.full((batch_size, 1), sampler["prompt_len"], device=model.device)
+    inputs = (model, cache, ids[:, -1:].contiguous(), attention_mask, position_ids, running, config)
     step(*inputs)  # compiled here, not in the first rollout
     sampler["step"] = plumbing.cuda_graph(step, inputs) if model.device.type == "cuda" else step
     sampler["reads"], sampler["recordings"] = step_reads(model, cache), sampler["recordings"] + 1
@@ -844,10 +846,13 @@ def check_args(args: Args) -> None:
 
 def static_sampler_blocker(args: Args) -> str | None:
     """Why sample_static cannot sample this run, or None."""
-    return ("samples from a plain copy of the actor, without its LoRA adapters (--actor-lora-dim)" if args.actor_lora_dim
-            else "and --enable-hybrid-engine are two ways to sample" if args.enable_hybrid_engine
-            else "keeps a whole copy of the actor on each device, more than --no-gather-weights-for-rollout allows"
-            if args.actor_zero_stage == 3 and not args.gather_weights_for_rollout else None)
+    if args.actor_lora_dim:
+        return "samples from a plain copy of the actor, without its LoRA adapters (--actor-lora-dim)"
+    if args.enable_hybrid_engine:
+        return "and --enable-hybrid-engine are two ways to sample"
+    if args.actor_zero_stage == 3 and not args.gather_weights_for_rollout:
+        return "keeps a whole copy of the actor on each device, more than --no-gather-weights-for-rollout allows"
+    return None
 
 def check_models(args: Args, is_main: bool):
     """The model folders and tokenizers, checked before any model loads: the actor's tokenizer (left padding), the

@@ -842,6 +842,8 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
     weights = safetensors.torch.load_file(bad / "nan_weights_rm" / "model.safetensors")
     weights["score.weight"].view(-1)[0] = float("nan")
     safetensors.torch.save_file(weights, bad / "nan_weights_rm" / "model.safetensors", metadata={"format": "pt"})
+    assert ppo.static_sampler_blocker(ppo.Args(enable_hybrid_engine=True)) == \
+        "and --enable-hybrid-engine are two ways to sample"  # on a GPU; on a CPU the hybrid engine stops first
     check_stops([(lambda overrides=overrides: ppo.check_args(ppo.Args(**overrides)), message) for overrides, message in [
         ({"total_episodes": 0}, "--total-episodes must be at least 1, not 0"),
         ({"num_mini_batches": 0}, "--num-mini-batches must be at least 1, not 0"),
@@ -860,6 +862,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         ({"sampler": "static", "actor_zero_stage": 3, "gather_weights_for_rollout": False},
          "--sampler static keeps a whole copy of the actor on each device, more than "
          "--no-gather-weights-for-rollout allows: use --sampler eager"),
+        ({"sampler": "static", "enable_hybrid_engine": True}, "--enable-hybrid-engine needs a GPU"),
         ({"offload": True, "actor_zero_stage": 2}, "--offload needs --critic-zero-stage 1, 2 or 3"),
     ]])
     # (A wrong data file or model folder alone, through plumbing's load_split and check_model_folder: test_plumbing.py.)

@@ -520,13 +520,18 @@ def test_stage_helpers_make_their_tensors_where_their_inputs_are(monkeypatch):
     padded = tokenizer.pad({"input_ids": [tokenizer(t)["input_ids"] for t in texts]}, return_tensors="pt")
     args = ppo.Args(world_size=1, batch_size=3, num_iterations=2, gradient_accumulation_steps=1,
                     per_device_train_batch_size=2, target_kl=0.1)
+    config = ppo.sampling_config(tokenizer, 6, 1.0)
+    sampler = ppo.static_sampler(actor, config, False, ppo.Args(max_prompt_len=12, per_device_rollout_batch_size=3),
+                                 cpu)  # made before: transformers' StaticCache makes a tensor of its own without device=
     with torch.device("meta"):
         assert sft.evaluate(policy, sft_batches, cpu) == pytest.approx(alone[0], rel=1e-6)
         assert reward_model.evaluate(engine, pair_batches, cpu) == pytest.approx(alone[1], rel=1e-6)
         # ppo.py's rollout, as its loop calls the helpers
-        P, config = padded["input_ids"].shape[1], ppo.sampling_config(tokenizer, 6, 1.0)
-        responses = ppo.sample_responses(actor, padded["input_ids"], padded["attention_mask"], config, False, False,
-                                         0, 0)
+        P = padded["input_ids"].shape[1]
+        assert ppo.sample_responses(actor, sampler, padded["input_ids"], padded["attention_mask"], config, False, False,
+                                    0, 0).device == cpu
+        responses = ppo.sample_responses(actor, None, padded["input_ids"], padded["attention_mask"], config, False,
+                                         False, 0, 0)
         response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
         sequences = torch.cat([padded["input_ids"], responses], dim=1)
         attention_mask = torch.cat([padded["attention_mask"], response_mask], dim=1)
