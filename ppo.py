@@ -533,7 +533,7 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
 
 def sample_static(sampler: dict, actor, prompt_ids, prompt_mask, config: GenerationConfig) -> torch.Tensor:
     """`sample` with every shape fixed, so that one decode step is compiled once and, on CUDA, replayed from a recorded
-    CUDA graph (one launch a token instead of hundreds): the prompts left-padded to --max-prompt-len, a static key-value
+    CUDA graph (a few launches a token, not hundreds): the prompts left-padded to --max-prompt-len, a static key-value
     cache, the stop check left on the device and read every 16 tokens. The same draw (test_ppo), from a copy of the
     actor (static_sampler); its logits only pick tokens: the update's log-probs come from the eager forward."""
     model, cache, R = sampler["model"], sampler["cache"], config.max_new_tokens

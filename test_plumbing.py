@@ -913,3 +913,22 @@ def test_every_rank_evaluates_the_same_number_of_rows():
                                                                                  [True, True, False]]
     assert plumbing.rank_share(rows[:2], 2, 4, filler) == [{"id": 0, "counted": False}]  # fewer rows than ranks
     assert plumbing.rank_share(rows, 0, 1, filler) == rows
+
+
+def test_an_inference_copy_takes_weights_in_place():
+    """plumbing.inference_copy is the model's architecture in its dtype with no gradients, and copy_weights sets its
+    weights to another model's without moving them (a recorded CUDA graph reads them where they were); a model whose
+    weights are named otherwise (LoRA adapters) stops with one line."""
+    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16)
+    copy = plumbing.inference_copy(model, torch.device("cpu"), trust_remote_code=False)
+    assert type(copy) is type(model) and not copy.training
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    addresses = [p.data_ptr() for p in copy.parameters()]
+    plumbing.copy_weights(model, copy)
+    assert [p.data_ptr() for p in copy.parameters()] == addresses
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), copy.parameters()))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(copy(input_ids=ids).logits, model(input_ids=ids).logits)
+    with pytest.raises(SystemExit, match="are not those of a plain copy of it"):
+        plumbing.copy_weights(torch.nn.Linear(2, 2), copy)
