@@ -1,6 +1,7 @@
 """Benchmark: ppo.py (ppo.main) against the limit of its own model calls (limit_iteration), on random models whose EOS
-is too rare to stop all responses early. A shared CPU's speed drifts by tens of percent within seconds, so the two take
-turns, one iteration each: in fresh processes for the table (in_turns), in this one for the profile (profile_in_turns).
+is too rare to stop all responses early, and both against the device's hardware bound (hardware_bound). A shared CPU's
+speed drifts by tens of percent within seconds, so the two take turns, one iteration each: in fresh processes for the
+table (in_turns), in this one for the profile (profile_in_turns).
 
     python benchmark.py                       # the table, then the profile (75 s on 2 cores)
     python benchmark.py --profile             # where one iteration's time goes, phase by phase, against the limit
@@ -11,6 +12,7 @@ turns, one iteration each: in fresh processes for the table (in_turns), in this 
 import contextlib
 import gc
 import json
+import math
 import os
 import signal
 import statistics
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass
 from typing import Literal
 from unittest import mock
@@ -27,8 +30,8 @@ import tyro
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
-from transformers import PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          LlamaConfig, PreTrainedTokenizerFast)
 from transformers.utils import logging
 
 import plumbing
@@ -74,7 +77,7 @@ class Args:
     repeats: int = 5
     """rounds of fresh processes taking turns; the table's figures are medians over all rounds"""
     output_json: str = "benchmark.json"
-    """where the table is written"""
+    """where the table, the profile and the hardware bound are written"""
     profile: bool = False
     """only the profile: where one iteration's time goes, phase by phase, in ppo.py and the limit, in this process"""
     profile_limit_apart: bool = False
@@ -90,10 +93,15 @@ def main(args: Args) -> None:
           f" of width {args.hidden_size} ({args.num_heads} heads, MLP {args.intermediate_size}), vocabulary "
           f"{args.vocab_size}, {args.dtype}; on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'},"
           f" {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f}", flush=True)
+    rates = measured_rates(args)  # before any model is on the device; its tensors' memory given back
+    get_accelerator().empty_cache()
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
+        bound = hardware_bound(args, *parameter_counts(ppo_flags(args, folder, "bound", 1)), **rates)
         if args.profile:
-            print_profile(*profile_in_turns(args, folder))
+            profiles = profile_in_turns(args, folder)
+            print_profile(*profiles)
+            print_bound(args, bound, *profiles)
             return
         turns_per_round = args.warmup_iterations + args.iterations + 1  # the last ends each process: not timed
         flags = ppo_flags(args, folder, "benchmark", turns_per_round)
@@ -126,11 +134,13 @@ def main(args: Args) -> None:
     print(f"\nEach ratio is the median over {len(pairs)} pairs of an iteration of ppo.py and the limit's next to it in "
           f"time; load average now {os.getloadavg()[0]:.2f}.\n\nWhere the time of an iteration goes, in one process:")
     print_profile(ppo_profile, limit_profile)
+    generation_ms = print_bound(args, bound, ppo_profile, limit_profile)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
         json.dump({"commit": commit, "args": asdict(args), "rows": [r],
                    "pairs": [(seconds(ours), seconds(limit)) for ours, limit in pairs],
-                   "profile": {"ppo.py": ppo_profile, "limit": limit_profile}}, f, indent=2)
+                   "profile": {"ppo.py": ppo_profile, "limit": limit_profile},
+                   "generation_ms_per_token": generation_ms, "bound": bound}, f, indent=2)
     print(f"wrote {args.output_json}")
 
 
@@ -296,13 +306,9 @@ def limit_iteration(args: Args, flags: list[str]):
     dtype = plumbing.TORCH_DTYPES[args.dtype]
     settings = tyro.cli(ppo.Args, args=flags)  # ppo.py's arguments: the flags, and its defaults for the rest
     tokenizer = AutoTokenizer.from_pretrained(settings.actor_model_name_or_path)
-
-    def load(model_class, path: str, trained: bool):
-        return model_class.from_pretrained(path, dtype=dtype).to(device).train(trained).requires_grad_(trained)
-    actor, reference = (load(AutoModelForCausalLM, settings.actor_model_name_or_path, t) for t in [True, False])
-    critic = load(AutoModelForSequenceClassification,
-                  settings.critic_model_name_or_path or settings.reward_model_name_or_path, True)
-    reward = load(AutoModelForSequenceClassification, settings.reward_model_name_or_path, False)
+    actor, reference, critic, reward = (
+        model_class.from_pretrained(path, dtype=dtype).to(device).train(trained).requires_grad_(trained)
+        for (model_class, path), trained in zip(models_of(settings).values(), [True, False, True, False]))
     # In bf16, AdamW steps fp32 copies of the weights, as DeepSpeed's mixed precision does for ppo.py.
     trained = [list(model.parameters()) for model in (actor, critic)]
     masters = [[p.detach().float() for p in params] if dtype != torch.float32 else params for params in trained]
@@ -310,7 +316,12 @@ def limit_iteration(args: Args, flags: list[str]):
                   for master, lr in zip(masters, [settings.actor_learning_rate, settings.critic_learning_rate])]
     mini = args.episodes // args.num_mini_batches  # one forward pass per mini-batch, as ppo_flags gives ppo.py
     prompts = torch.randint(1, args.vocab_size, (args.episodes, args.prompt_len), device=device)
+    prompt_mask = torch.ones_like(prompts)
     generation_config = ppo.sampling_config(tokenizer, args.response_len, settings.temperature)
+    # ppo.main's choice of sampler; the static one, as ppo.py's, built (its decode step compiled) before any iteration.
+    sampler = ppo.static_sampler(types.SimpleNamespace(module=actor), generation_config, False, settings, device) \
+        if settings.sampler == "static" or (settings.sampler == "auto" and device.type == "cuda"
+                                            and not ppo.static_sampler_blocker(settings)) else None
     P, T = args.prompt_len, settings.temperature
 
     def one_iteration(phase) -> dict:
@@ -319,11 +330,12 @@ def limit_iteration(args: Args, flags: list[str]):
         with torch.no_grad():
             with phase("generation"):
                 actor.eval()
-                responses = ppo.sample(actor, prompts, torch.ones_like(prompts), generation_config, synced=False)
+                responses = ppo.sample_static(sampler, actor, prompts, prompt_mask, generation_config) if sampler \
+                    else ppo.sample(actor, prompts, prompt_mask, generation_config, synced=False)
                 actor.train()
             sequences = torch.cat([prompts, responses], dim=1)
             mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
-            attention = torch.cat([torch.ones_like(prompts), mask], dim=1)
+            attention = torch.cat([prompt_mask, mask], dim=1)
             with phase("actor log-probs"):
                 logprobs = ppo.in_micro_batches(ppo.response_logprobs, mini, actor, sequences, attention, P, T)
             with phase("reference log-probs"):
@@ -369,6 +381,13 @@ def limit_iteration(args: Args, flags: list[str]):
         get_accelerator().synchronize()
         return {"rollout": rollout_end - start, "update": time.perf_counter() - rollout_end}
     return one_iteration
+
+def models_of(settings: ppo.Args) -> dict:
+    """ppo.py's four models at these settings, name -> (class, folder); the critic's: its own, or the reward model's."""
+    actor = AutoModelForCausalLM, settings.actor_model_name_or_path
+    reward = AutoModelForSequenceClassification, settings.reward_model_name_or_path
+    return {"actor": actor, "reference": actor, "critic": (reward[0], settings.critic_model_name_or_path or reward[1]),
+            "reward": reward}
 
 def phase_timer():
     """(totals, phase): `with phase(name):` adds its time, the accelerator synced, to totals[name] (if outermost)."""
@@ -468,6 +487,83 @@ def print_profile(ppo_profile: dict, limit: dict) -> None:
     ratio = statistics.median(p / l for p, l in zip(ppo_profile["timed"], limit["timed"]))
     print(f"ppo.py's iteration over the limit's just before it, in this process: the median over "
           f"{len(limit['timed'])} pairs {ratio:.3f}")
+
+
+# --- The hardware bound: the least time the device could take for an iteration's work, from measured rates. ---
+def measured_rates(args: Args) -> dict[str, float]:
+    """The device's memory bandwidth, bytes/s (a copy of 1 GiB on CUDA, 256 MiB on a CPU: each byte read and written),
+    and matmul rate, FLOP/s (n x n by n x n in the models' dtype, 2 n^3 FLOPs; n 8192 on CUDA, 1024 on a CPU); each
+    the best of 5 runs."""
+    def seconds_of(work, *inputs) -> float:
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        work(*inputs)
+        get_accelerator().synchronize()
+        return time.perf_counter() - start
+    cuda = torch.cuda.is_available()
+    source = torch.ones(2 ** (30 if cuda else 28), dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    target, n = torch.empty_like(source), 8192 if cuda else 1024
+    matrix = torch.randn(n, n, dtype=plumbing.TORCH_DTYPES[args.dtype], device=source.device)
+    return {"bandwidth": 2 * source.numel() / min(seconds_of(target.copy_, source) for _ in range(5)),
+            "matmul_flops": 2 * n**3 / min(seconds_of(torch.matmul, matrix, matrix) for _ in range(5))}
+
+def parameter_counts(flags: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """The parameters of each of ppo.py's four models (run with these flags), and of its input embedding, counted on
+    torch's meta device: nothing allocated."""
+    with torch.device("meta"):
+        models = {name: model_class.from_config(AutoConfig.from_pretrained(path))
+                  for name, (model_class, path) in models_of(tyro.cli(ppo.Args, args=flags)).items()}
+    return ({name: sum(p.numel() for p in model.parameters()) for name, model in models.items()},
+            {name: model.get_input_embeddings().weight.numel() for name, model in models.items()})
+
+def hardware_bound(args: Args, parameters: dict[str, int], embeddings: dict[str, int], bandwidth: float,
+                   matmul_flops: float) -> dict[str, float]:
+    """The least time an iteration at args' shape takes on a device of this bandwidth (bytes/s) and matmul rate
+    (FLOP/s), term by term, from the parameters of the actor, reference, critic and reward model and of their input
+    embeddings (a lookup: it multiplies nothing, and a decode step reads B of its rows). B episodes of P + R tokens,
+    e bytes an element (4 in fp32, 2 in bf16):
+    - forward and backward: 2 FLOPs a weight a token forward, twice that backward, over B (P + R) tokens: the
+      rollout's four forward passes, then in each PPO epoch the actor's and critic's forward and backward. Left out:
+      attention's own products; counted at every position: the output layer (the log-probs keep R + 1).
+    - generation: R decode steps at the floor, each reading the actor's weights and a static key-value cache whole,
+      B x layers x 2 (K and V) x (P + R) x hidden_size (as many key-value heads as heads, as build_models's) x e.
+    - optimizer steps: AdamW on fp32 master weights, 28 bytes a trained parameter a step: master weight and two
+      moments read and written (24), then in bf16 the gradient read and the weight written (2 + 2), in fp32 the
+      gradient read (4; the master is the weight); actor and critic, num_ppo_epochs x num_mini_batches steps each."""
+    e, tokens = plumbing.TORCH_DTYPES[args.dtype].itemsize, args.episodes * (args.prompt_len + args.response_len)
+    weights = {name: parameters[name] - embeddings[name] for name in parameters}  # those that multiply each token
+    flops = 2 * tokens * (sum(weights.values()) + 3 * args.num_ppo_epochs * (weights["actor"] + weights["critic"]))
+    weight_bytes, cache_bytes = weights["actor"] * e, tokens * args.num_layers * 2 * args.hidden_size * e
+    floor_s = (weight_bytes + cache_bytes) / bandwidth
+    optimizer_bytes = args.num_ppo_epochs * args.num_mini_batches * (parameters["actor"] + parameters["critic"]) * 28
+    terms = {"forward_and_backward_s": flops / matmul_flops, "generation_s": args.response_len * floor_s,
+             "optimizer_steps_s": optimizer_bytes / bandwidth}
+    return {"bandwidth": bandwidth, "matmul_flops": matmul_flops, "flops": flops, "weight_bytes": weight_bytes,
+            "cache_bytes": cache_bytes, "floor_s": floor_s, "optimizer_bytes": optimizer_bytes, **terms,
+            "iteration_s": sum(terms.values())}
+
+def print_bound(args: Args, b: dict, ppo_profile: dict, limit: dict) -> dict[str, float]:
+    """The profile's generation in ms a token beside the floor, its iteration and optimizer steps beside the bound b,
+    with b's arithmetic. Returns the ms a token of ppo.py, the limit and the floor."""
+    ms = {"ppo.py": 1e3 * ppo_profile["phases"]["generation"] / args.response_len,
+          "limit": 1e3 * limit["phases"]["generation"] / args.response_len, "floor": 1e3 * b["floor_s"]}
+    bandwidth = f"{si(b['bandwidth'])}B/s"
+    print(f"\ngeneration: ppo.py {ms['ppo.py']:.3g} ms a token, the limit {ms['limit']:.3g}; floor {ms['floor']:.3g} "
+          f"ms = ({si(b['weight_bytes'])}B weights + {si(b['cache_bytes'])}B cache) / {bandwidth} measured\n"
+          f"hardware bound of an iteration: {b['iteration_s']:.3g} s = forward and backward "
+          f"{b['forward_and_backward_s']:.3g} s ({si(b['flops'])}FLOP / {si(b['matmul_flops'])}FLOP/s measured) + "
+          f"generation {b['generation_s']:.3g} s ({args.response_len} tokens at the floor) + optimizer steps "
+          f"{b['optimizer_steps_s']:.3g} s ({si(b['optimizer_bytes'])}B / {bandwidth}); ppo.py's iteration "
+          f"{ppo_profile['mean_iteration'] / b['iteration_s']:.1f} times it, the limit's "
+          f"{limit['mean_iteration'] / b['iteration_s']:.1f}\noptimizer steps: ppo.py "
+          f"{ppo_profile['phases']['optimizer steps']:.3g} s an iteration, the limit "
+          f"{limit['phases']['optimizer steps']:.3g}, the bound {b['optimizer_steps_s']:.3g}")
+    return ms
+
+def si(value: float) -> str:
+    """value and a k, M, G or T prefix, 3 significant digits: si(2.85e12) + "B/s" is "2.85 TB/s"."""
+    power = min(max(int(math.log10(float(f"{value:.3g}")) // 3), 0), 4) if value > 0 else 0
+    return f"{value / 1000**power:.3g} {' kMGT'[power].strip()}"
 
 
 # --- TRL 1.12's PPOTrainer (--trl-python), in its own virtual environment: its script builds its models. ---

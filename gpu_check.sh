@@ -58,12 +58,12 @@ if status != "0":
     lines = [line for line in log.splitlines() if line.strip()]
     print(("timed out" if status == "124" else lines[-1][:150] if lines else "no output").replace("|", "/"))
     raise SystemExit
-def last_metrics(folder):
-    """The last metrics.jsonl line of the ppo.py run in FOLDER (its training_run.json names the file)."""
+def metrics(folder):
+    """Every metrics.jsonl line of the ppo.py run in FOLDER (its training_run.json names the file)."""
     record = json.load(open(os.path.join(out, folder, "training_run.json")))
-    return json.loads(open(record["metrics_file"]).read().splitlines()[-1])
+    return [json.loads(line) for line in open(record["metrics_file"])]
 def ppo_figure(folder):
-    m = last_metrics(folder)
+    m = metrics(folder)[-1]
     return (f"iteration {m['iteration']}: KL {m['objective/kl']:.2f}, score {m['objective/scores']:+.2f}, "
             f"peak GPU {m['memory/max_allocated_gb']:.2f} GB allocated")
 if name == "sft":
@@ -79,18 +79,25 @@ elif name == "ppo_lora":
     print(f"stopped after its checkpoint {latest}; " + ppo_figure("ppo_lora"))
 elif name == "ppo_lora_resume":
     resumed = re.findall(r"resumed from \S+ at iteration (\d+)", log)
-    record = json.load(open(os.path.join(out, "ppo_lora", "training_run.json")))
-    logged = [json.loads(line)["iteration"] for line in open(record["metrics_file"])]
+    logged = [m["iteration"] for m in metrics("ppo_lora")]
     print(f"resumed at iteration {resumed[-1]}; iterations logged {logged[0]}..{logged[-1]}, each once: "
           f"{logged == list(range(1, len(logged) + 1))}; " + ppo_figure("ppo_lora"))
 elif name == "ppo_ema":
     print(ppo_figure("ppo_ema") + f"; actor_ema saved: {os.path.isdir(os.path.join(out, 'ppo_ema', 'actor_ema'))}")
+elif name == "ppo_zero3":  # how many times the static sampler has recorded its decode step, first and last iteration
+    ends, key = [metrics(name)[0], metrics(name)[-1]], "perf/decode_step_recordings"
+    print(ppo_figure(name) + ("; eager sampler" if key not in ends[-1] else "; decode step recordings: "
+                              + ", ".join(f"{m[key]} at iteration {m['iteration']}" for m in ends)))
 elif name.startswith("ppo"):
     print(ppo_figure(name))
 elif name == "benchmark":
-    row = json.load(open(os.path.join(out, "benchmark.json")))["rows"][0]
-    print(f"{row['config']}: iteration {row['iteration_s']:.3f} s, {row['iteration_ratio']:.2f} x the limit; peak GPU "
-          f"{row.get('gpu_max_allocated_gb', float('nan')):.2f} GB allocated")
+    result = json.load(open(os.path.join(out, "benchmark.json")))
+    row, ms, bound = result["rows"][0], result["generation_ms_per_token"], result["bound"]
+    steps = [result["profile"][side]["phases"]["optimizer steps"] for side in ("ppo.py", "limit")]
+    print(f"{row['config']}: iteration {row['iteration_s']:.3f} s, {row['iteration_ratio']:.2f} x the limit, "
+          f"{row['iteration_s'] / bound['iteration_s']:.1f} x the bound {bound['iteration_s']:.3g} s; ms a token "
+          f"{ms['ppo.py']:.3g}, limit {ms['limit']:.3g}, floor {ms['floor']:.3g}; optimizer steps s {steps[0]:.3g}, "
+          f"limit {steps[1]:.3g}; peak GPU {row.get('gpu_max_allocated_gb', float('nan')):.2f} GB allocated")
 PYTHON
 }
 

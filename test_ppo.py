@@ -1007,7 +1007,8 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
 def test_benchmark(tmp_path):
     """benchmark.py runs ppo.py (ppo.main, in a fresh process) and the limit taking turns, and its table's ratios are
     the medians of their paired iterations; the profile in one process times every phase of both, and the GPU preset
-    (Pythia-1B's shape, bf16) applies where no flag says otherwise. A tiny shape, to run here."""
+    (Pythia-1B's shape, bf16) applies where no flag says otherwise; both print generation in ms a token beside its
+    floor and the iteration beside the hardware bound, with their arithmetic. A tiny shape, to run here."""
     small = ["--hidden-size", "64", "--num-layers", "1", "--intermediate-size", "128", "--vocab-size", "512",
              "--prompt-len", "8", "--response-len", "8", "--episodes", "8"]
     output = tmp_path / "benchmark.json"
@@ -1025,7 +1026,6 @@ def test_benchmark(tmp_path):
     # The profile in one process: ppo.py and the limit took turns, one iteration each (profile_in_turns).
     assert len(result["profile"]["ppo.py"]["timed"]) == len(result["profile"]["limit"]["timed"]) == 2
     assert "ppo.py's iteration over the limit's just before it, in this process: the median over 2 pairs" in table
-
     # --profile: every phase of ppo.py's iteration is found and timed (a phase at 0 would mean ppo.py no longer
     # calls the function the profile wraps for it), and the limit's phases too (it does no checks or logging).
     profile = run("benchmark.py", "--preset", "pythia-1b", "--profile", *small, "--warmup-iterations", "1",
@@ -1037,6 +1037,25 @@ def test_benchmark(tmp_path):
     for name in benchmark.PHASES:
         ours, limit = rows[name]
         assert ours > 0 and (limit > 0) == (name != "checks, statistics and logging"), (name, profile)
+    # Generation in ms a token beside its floor, the iteration beside the hardware bound, their arithmetic printed and
+    # written. The actor's weights that multiply each token: 4 x 64^2 + 3 x 64 x 128 (attention, MLP) + 3 x 64 (norms)
+    # + 513 x 64 (the output layer; the input embedding's lookup multiplies nothing) = 73,984; the critic's and reward
+    # model's 41,216 (a score head of 64, not 32,832): 2 x 8 x 16 tokens x (2 x 73,984 + 2 x 41,216 (the rollout) +
+    # 3 x 2 epochs x (73,984 + 41,216)) = 235,929,600 FLOPs; a decode step reads 4 x 73,984 bytes of weights and
+    # 8 x 1 layer x 2 x 16 positions x 64 x 4 = 65,536 of cache.
+    bound, ms = result["bound"], result["generation_ms_per_token"]
+    assert (bound["flops"], bound["weight_bytes"], bound["cache_bytes"]) == (235_929_600, 4 * 73_984, 65_536), bound
+    assert ms == pytest.approx({"floor": 1e3 * bound["floor_s"], **{side: 1e3 * result["profile"][side]["phases"][
+        "generation"] / 8 for side in ["ppo.py", "limit"]}})
+    expected = re.escape(  # each # a number, each ? a unit's prefix
+        "\ngeneration: ppo.py # ms a token, the limit #; floor # ms = (# kB weights + # kB cache) / # ?B/s measured\n"
+        "hardware bound of an iteration: # s = forward and backward # s (# ?FLOP / # ?FLOP/s measured) + generation "
+        "# s (8 tokens at the floor) + optimizer steps # s (# MB / # ?B/s); ppo.py's iteration # times it, the "
+        "limit's #\n"
+        "optimizer steps: ppo.py # s an iteration, the limit #, the bound #\n").replace("\\#", r"[\d.e+-]+").replace(
+        "\\?", "[kMGT]")
+    for output in [table, profile]:
+        assert re.search(expected, output), output
 
 
 def test_the_limit_runs_at_ppos_settings_from_its_flags(tmp_path, monkeypatch):
@@ -1073,6 +1092,63 @@ def test_the_limit_runs_at_ppos_settings_from_its_flags(tmp_path, monkeypatch):
                                                            str(tmp_path), "limit", 1))
     assert (trl_flags.temperature, trl_flags.kl_coef, trl_flags.gradient_clipping, trl_flags.actor_learning_rate,
             trl_flags.critic_model_name_or_path) == (0.7, 0.05, 0.0, 3e-6, str(tmp_path / "value_model"))
+
+
+def test_the_limit_samples_as_ppo_does_at_its_flags(tmp_path, monkeypatch):
+    """benchmark.limit_iteration samples with the sampler that ppo.py takes at the same flags: with --sampler static,
+    one static sampler of the limit's actor, built before any iteration, its cache as long as the prompts (ppo_flags'
+    --max-prompt-len) and the responses, and sample_static from it in each iteration; with the defaults on a CPU
+    (--sampler auto), ppo.sample. torch.compile stands aside here (seconds): test_static_sampling_* compile the step."""
+    args = benchmark.Args(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=64, prompt_len=4,
+                          response_len=4, episodes=4)
+    benchmark.build_models(args, str(tmp_path))
+    calls, static_sampler, sample_static, sample = [], ppo.static_sampler, ppo.sample_static, ppo.sample
+
+    def built(actor, config, is_main, settings, device):
+        sampler = static_sampler(actor, config, is_main, settings, device)
+        calls.append(("static_sampler", actor.module, sampler, sampler["cache"].get_max_length()))
+        return sampler
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+    monkeypatch.setattr(ppo, "static_sampler", built)
+    monkeypatch.setattr(ppo, "sample_static", lambda sampler, model, *a: (
+        calls.append(("sample_static", model, sampler)), sample_static(sampler, model, *a))[1])
+    monkeypatch.setattr(ppo, "sample", lambda model, *a, **k: (calls.append(("sample", model)),
+                                                               sample(model, *a, **k))[1])
+    flags = benchmark.ppo_flags(args, str(tmp_path), "limit", 1)
+    for sampler_flag in [["--sampler", "static"], []]:
+        one_iteration = benchmark.limit_iteration(args, [*flags, *sampler_flag])
+        built_before = list(calls)
+        for _ in range(2):
+            one_iteration(lambda name: contextlib.nullcontext())
+        if sampler_flag:
+            [(_, actor, sampler, length)] = built_before
+            assert length == args.prompt_len + args.response_len
+            assert calls == [built_before[0], ("sample_static", actor, sampler), ("sample_static", actor, sampler)]
+        else:
+            assert built_before == [] and [name for name, *_ in calls] == ["sample", "sample"]
+        calls.clear()
+
+
+def test_the_hardware_bound_is_its_arithmetic():
+    """benchmark.hardware_bound, worked by hand: 4 episodes of 3 + 5 tokens (32 tokens), 2 layers of width 8, 2 PPO
+    epochs of 2 mini-batches; actor and reference 1,000 parameters, critic and reward model 600, each with an input
+    embedding of 200 (so 800, 800, 400 and 400 that multiply each token); 1 GB/s and 10 GFLOP/s measured.
+    - forward and backward: 2 x 32 x (2,400 (the rollout) + 3 x 2 epochs x (800 + 400)) = 614,400 FLOPs: 61.44 us.
+    - generation, in fp32: (800 x 4 = 3,200 bytes of weights + 32 x 2 layers x 2 x 8 x 4 = 4,096 bytes of cache)
+      / 1 GB/s = 7.296 us a token, 36.48 us for 5 tokens; in bf16, 1,600 and 2,048 bytes.
+    - optimizer steps: 2 x 2 steps x (1,000 + 600) x 28 bytes = 179,200 bytes: 179.2 us, in bf16 too.
+    In all 277.12 us in fp32."""
+    args = benchmark.Args(episodes=4, prompt_len=3, response_len=5, num_layers=2, hidden_size=8, num_ppo_epochs=2,
+                          num_mini_batches=2)
+    parameters = {"actor": 1000, "reference": 1000, "critic": 600, "reward": 600}
+    bound = benchmark.hardware_bound(args, parameters, dict.fromkeys(parameters, 200), 1e9, 1e10)
+    assert bound == pytest.approx({
+        "bandwidth": 1e9, "matmul_flops": 1e10, "flops": 614_400, "weight_bytes": 3_200, "cache_bytes": 4_096,
+        "floor_s": 7.296e-6, "optimizer_bytes": 179_200, "forward_and_backward_s": 61.44e-6, "generation_s": 36.48e-6,
+        "optimizer_steps_s": 179.2e-6, "iteration_s": 277.12e-6})
+    bf16 = benchmark.hardware_bound(dataclasses.replace(args, dtype="bf16"), parameters,
+                                    dict.fromkeys(parameters, 200), 1e9, 1e10)
+    assert (bf16["weight_bytes"], bf16["cache_bytes"], bf16["optimizer_bytes"]) == (1_600, 2_048, 179_200)
 
 
 def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3(monkeypatch):
