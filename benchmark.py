@@ -98,11 +98,6 @@ def main(args: Args) -> None:
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
         bound = hardware_bound(args, *parameter_counts(ppo_flags(args, folder, "bound", 1)), **rates)
-        if args.profile:
-            profiles = profile_in_turns(args, folder)
-            print_profile(*profiles)
-            print_bound(args, bound, *profiles)
-            return
         turns_per_round = args.warmup_iterations + args.iterations + 1  # the last ends each process: not timed
         flags = ppo_flags(args, folder, "benchmark", turns_per_round)
         sides = {"ppo.py": benchmark_call("ppo_in_turns", args, flags),
@@ -111,33 +106,36 @@ def main(args: Args) -> None:
             sides[name] = [args.trl_python, "-c", TRL_IN_TURNS, *trl_command(  # TRL builds the same models again
                 args, os.path.join(folder, f"trl_{gc_freeze}"), turns_per_round, gc_freeze)]
         pairs, turns = [], {name: [] for name in sides}
-        for round_number in range(1, args.repeats + 1):
+        for round_number in range(1, 0 if args.profile else args.repeats + 1):  # --profile: no table
             print(f"round {round_number}/{args.repeats}: {', '.join(sides)}, taking turns ...", flush=True)
             lines, seconds_of = in_turns(sides, turns_per_round)
             pairs += zip(json.loads(lines["ppo.py"]), json.loads(lines["limit"]))
             for name in sides:
                 turns[name] += seconds_of[name][args.warmup_iterations:-1]
-        for ours in ["ppo.py", "limit"] if args.trl_python else []:  # a turn: an iteration, its logging included
+        for ours in ["ppo.py", "limit"] if args.trl_python and pairs else []:  # a turn: an iteration, its logging
             over = [statistics.median(t / o for t, o in zip(turns[name], turns[ours])) for name in list(sides)[2:]]
             print(f"{ours}'s episodes per second over TRL's (median of {len(turns[ours])} pairs of iterations next to "
                   f"each other): over TRL with gc.freeze() {over[0]:.2f}, over TRL as shipped {over[1]:.2f}")
         print("the profile: ppo.py and the limit in this process, phase by phase ...", flush=True)
         ppo_profile, limit_profile = profile_in_turns(args, folder)
 
-    r = table_row(args, pairs)
-    print(f"\n| config | rollout s (limit, ratio) | update s (limit, ratio) | iteration s (ratio) | episodes/s | gen "
-          f"tokens/s | gen share | peak memory GB (allocated / reserved) |\n|---|---|---|---|---|---|---|---|\n| "
-          f"{r['config']} | {r['rollout_s']:.3f} ({r['rollout_limit_s']:.3f}, {r['rollout_ratio']:.2f}) | "
-          f"{r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_ratio']:.2f}) | {r['iteration_s']:.3f} "
-          f"({r['iteration_ratio']:.2f}) | {r['episodes_per_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
-          f"{r['generation_share']:.0%} | {r['gpu_max_allocated_gb']:.2f} / {r['gpu_max_reserved_gb']:.2f} |")
-    print(f"\nEach ratio is the median over {len(pairs)} pairs of an iteration of ppo.py and the limit's next to it in "
-          f"time; load average now {os.getloadavg()[0]:.2f}.\n\nWhere the time of an iteration goes, in one process:")
+    rows = [table_row(args, pairs)] if pairs else []
+    for r in rows:
+        print(f"\n| config | rollout s (limit, ratio) | update s (limit, ratio) | iteration s (ratio) | episodes/s | "
+              f"gen tokens/s | gen share | peak memory GB (allocated / reserved) |\n"
+              f"|---|---|---|---|---|---|---|---|\n| {r['config']} | {r['rollout_s']:.3f} ({r['rollout_limit_s']:.3f}, "
+              f"{r['rollout_ratio']:.2f}) | "
+              f"{r['update_s']:.3f} ({r['update_limit_s']:.3f}, {r['update_ratio']:.2f}) | {r['iteration_s']:.3f} "
+              f"({r['iteration_ratio']:.2f}) | {r['episodes_per_s']:.1f} | {r['generated_tokens_per_s']:.0f} | "
+              f"{r['generation_share']:.0%} | {r['gpu_max_allocated_gb']:.2f} / {r['gpu_max_reserved_gb']:.2f} |")
+        print(f"\nEach ratio is the median over {len(pairs)} pairs of an iteration of ppo.py and the limit's next to "
+              f"it in time; load average now {os.getloadavg()[0]:.2f}.\n\nWhere the time of an iteration goes, in one "
+              "process:")
     print_profile(ppo_profile, limit_profile)
     generation_ms = print_bound(args, bound, ppo_profile, limit_profile)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(args.output_json, "w") as f:
-        json.dump({"commit": commit, "args": asdict(args), "rows": [r],
+        json.dump({"commit": commit, "args": asdict(args), "rows": rows,
                    "pairs": [(seconds(ours), seconds(limit)) for ours, limit in pairs],
                    "profile": {"ppo.py": ppo_profile, "limit": limit_profile},
                    "generation_ms_per_token": generation_ms, "bound": bound}, f, indent=2)
@@ -320,8 +318,7 @@ def limit_iteration(args: Args, flags: list[str]):
     generation_config = ppo.sampling_config(tokenizer, args.response_len, settings.temperature)
     # ppo.main's choice of sampler; the static one, as ppo.py's, built (its decode step compiled) before any iteration.
     sampler = ppo.static_sampler(types.SimpleNamespace(module=actor), generation_config, False, settings, device) \
-        if settings.sampler == "static" or (settings.sampler == "auto" and device.type == "cuda"
-                                            and not ppo.static_sampler_blocker(settings)) else None
+        if ppo.samples_static(settings, device) else None
     P, T = args.prompt_len, settings.temperature
 
     def one_iteration(phase) -> dict:

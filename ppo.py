@@ -291,8 +291,7 @@ def main(args: Args) -> None:
     check_normalization(reward.module.config, run["inputs"]["--actor-model-name-or-path"], args)
     generation_config = sampling_config(tokenizer, args.max_new_tokens, args.temperature)
     actor.module.generation_config = generation_config  # replaces the model's own, so that nothing else is applied
-    sampler = static_sampler(actor, generation_config, is_main, args, device) if args.sampler == "static" or (
-        args.sampler == "auto" and device.type == "cuda" and not static_sampler_blocker(args)) else None
+    sampler = static_sampler(actor, generation_config, is_main, args, device) if samples_static(args, device) else None
 
     start_iteration, kl_coef, last_valid = 0, args.kl_coef, None  # last_valid: the last valid batch and its P
     if args.resume:
@@ -843,6 +842,11 @@ def check_args(args: Args) -> None:
         plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
     if args.sampler == "static" and static_sampler_blocker(args):
         plumbing.fail(f"--sampler static {static_sampler_blocker(args)}: use --sampler eager")
+
+def samples_static(args: Args, device: torch.device) -> bool:
+    """Whether the rollout samples with sample_static: --sampler static, or auto on CUDA where nothing blocks it."""
+    auto = args.sampler == "auto" and device.type == "cuda" and not static_sampler_blocker(args)
+    return args.sampler == "static" or auto
 
 def static_sampler_blocker(args: Args) -> str | None:
     """Why sample_static cannot sample this run, or None."""

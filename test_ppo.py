@@ -844,6 +844,11 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
     safetensors.torch.save_file(weights, bad / "nan_weights_rm" / "model.safetensors", metadata={"format": "pt"})
     assert ppo.static_sampler_blocker(ppo.Args(enable_hybrid_engine=True)) == \
         "and --enable-hybrid-engine are two ways to sample"  # on a GPU; on a CPU the hybrid engine stops first
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # --sampler auto: static on CUDA, where nothing blocks it
+    assert [ppo.samples_static(ppo.Args(**flags), device) for flags, device in [
+        ({}, cuda), ({}, cpu), ({"sampler": "static"}, cpu), ({"sampler": "eager"}, cuda), ({"actor_lora_dim": 4}, cuda),
+        ({"enable_hybrid_engine": True}, cuda), ({"actor_zero_stage": 3, "gather_weights_for_rollout": False}, cuda),
+        ({"actor_zero_stage": 3}, cuda)]] == [True, False, True, False, False, False, False, True]
     check_stops([(lambda overrides=overrides: ppo.check_args(ppo.Args(**overrides)), message) for overrides, message in [
         ({"total_episodes": 0}, "--total-episodes must be at least 1, not 0"),
         ({"num_mini_batches": 0}, "--num-mini-batches must be at least 1, not 0"),
@@ -1029,7 +1034,8 @@ def test_benchmark(tmp_path):
     # --profile: every phase of ppo.py's iteration is found and timed (a phase at 0 would mean ppo.py no longer
     # calls the function the profile wraps for it), and the limit's phases too (it does no checks or logging).
     profile = run("benchmark.py", "--preset", "pythia-1b", "--profile", *small, "--warmup-iterations", "1",
-                  "--iterations", "1").stdout
+                  "--iterations", "1", "--output-json", str(tmp_path / "profile.json")).stdout
+    assert json.loads((tmp_path / "profile.json").read_text())["rows"] == []  # the profile, the bound: no table
     assert "shape: 8 episodes of 8 + 8 tokens, 1 layers of width 64 (8 heads, MLP 128), vocabulary 512, bf16;" in profile
     rows = {line.split(" | ")[0].strip("| "): [float(x) for x in line.split(" | ")[1:3]]
             for line in profile.splitlines() if line.startswith("| ") and not line.startswith("| phase")}
