@@ -575,7 +575,7 @@ def static_sampler(actor, config: GenerationConfig, is_main: bool, args: Args, d
     every time), a static key-value cache of --max-prompt-len + max_new_tokens positions, and the step. They stay
     through the update: freed, they would come back elsewhere, and the step would be recorded again."""
     if is_main:
-        print("compiling the decode step of --sampler static (about a minute) ...", flush=True)
+        print("compiling the decode step of --sampler static (up to a minute) ...", flush=True)
     model = plumbing.inference_copy(actor.module, device, args.trust_remote_code)
     cache = StaticCache(config=model.config, max_cache_len=args.max_prompt_len + config.max_new_tokens)
     sampler = {"model": model, "cache": cache, "prompt_len": args.max_prompt_len, "recordings": 0}
@@ -594,8 +594,12 @@ def record_decode_step(sampler: dict, batch_size: int, config: GenerationConfig)
     step = torch.compile(decode_step, fullgraph=True, dynamic=False)
     position_ids = torch.full((batch_size, 1), sampler["prompt_len"], device=model.device)
     inputs = (model, cache, ids[:, -1:].contiguous(), attention_mask, position_ids, running, config)
-    step(*inputs)  # compiled here, not in the first rollout
-    sampler["step"] = plumbing.cuda_graph(step, inputs) if model.device.type == "cuda" else step
+    try:
+        step(*inputs)  # compiled here, not in the first rollout
+        sampler["step"] = plumbing.cuda_graph(step, inputs) if model.device.type == "cuda" else step
+    except Exception as error:  # a model torch.compile cannot trace whole, a graph that cannot be recorded, memory
+        plumbing.fail(f"--sampler static: the decode step of {type(model).__name__} could not be compiled and recorded "
+                      f"({type(error).__name__}: {' '.join(str(error).split())[:300]}); use --sampler eager")
     sampler["reads"], sampler["recordings"] = step_reads(model, cache), sampler["recordings"] + 1
 
 def step_reads(model, cache) -> list[int]:

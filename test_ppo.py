@@ -124,6 +124,13 @@ def test_generation_and_forward_log_probs_agree(model_type):
         logits = response_logits(model, out.sequences, attention_mask, P)
     forward_logprobs = rlhf_math.logprobs_from_logits(logits, responses, temperature=0.7)
     torch.testing.assert_close(forward_logprobs, sampled_logprobs, atol=1e-4, rtol=1e-4)
+    # sample_static (--sampler static, the default on CUDA) compiles in every family, and its step's logits are the
+    # eager forward's wherever they draw a token (fp32; test_static_sampling_step_gives_the_eager_logits: bf16).
+    config = ppo.sampling_config(tokenizer, max_new_tokens=8, temperature=0.7)
+    [(responses, z)] = static_rollouts(model, prompts["input_ids"], prompts["attention_mask"], config, P + 2, [0])
+    drawing = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)[:, 1:].bool()
+    eager = scaled_logits(model, prompts["input_ids"], prompts["attention_mask"], responses, config)[:, 1:]
+    torch.testing.assert_close(z[drawing], eager[drawing], atol=1e-5, rtol=1e-5)
 
 
 def tiny_models(model_type, tokenizer):
@@ -550,28 +557,60 @@ def static_draws():
     prompts = tokenizer(["The story", "I watched this film last night and", "We", "The acting was"] * 16,
                         padding=True, return_tensors="pt")
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    draws = []
+    for responses, z in static_rollouts(model, ids, mask, config, 16, range(6)):  # prompts padded from 9 to 16
+        eager = [scaled_logits(m, ids, mask, responses, config) for m in (model, exact)]
+        draws.append((responses, z, *eager))
+    return draws, tokenizer.eos_token_id
+
+
+def test_a_decode_step_that_does_not_compile_stops_with_one_line(monkeypatch):
+    """A model whose decode step torch.compile cannot trace whole (or, on CUDA, a graph that cannot be recorded)
+    stops the run with one line that names the model and the way out, not a compiler's stack trace."""
+    def compile_that_fails(function, **options):
+        def compiled(*args):
+            raise RuntimeError("Unsupported: data-dependent branching\n  from user code: ...")
+        return compiled
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
+    check_stops([(lambda: ppo.static_sampler(types.SimpleNamespace(module=model), ppo.sampling_config(tokenizer, 4, 1.0),
+                                             False, ppo.Args(max_prompt_len=8, per_device_rollout_batch_size=2),
+                                             torch.device("cpu")),
+                  "--sampler static: the decode step of LlamaForCausalLM could not be compiled and recorded "
+                  "(RuntimeError: Unsupported: data-dependent branching from user code: ...); use --sampler eager")])
+
+
+def static_rollouts(model, ids, mask, config, prompt_len, seeds):
+    """For each seed, a rollout of sample_static from a sampler of model for prompts of prompt_len tokens: its
+    responses [B, R] and the logits z its compiled step drew tokens 2 to R from [B, R - 1, V]. One recording in all."""
     sampler = ppo.static_sampler(types.SimpleNamespace(module=model), config, False,
-                                 ppo.Args(max_prompt_len=16, per_device_rollout_batch_size=64), torch.device("cpu"))
-    step, logits = sampler["step"], []
+                                 ppo.Args(max_prompt_len=prompt_len, per_device_rollout_batch_size=len(ids)),
+                                 torch.device("cpu"))
+    step, logits, rollouts = sampler["step"], [], []
 
     def recorded(*inputs):  # the compiled step, its logits kept
         z, tokens, running = step(*inputs)
         logits[-1].append(z.clone())
         return z, tokens, running
-    sampler["step"], draws = recorded, []
+    sampler["step"] = recorded
     with torch.no_grad():
-        for seed in range(6):
+        for seed in seeds:
             torch.manual_seed(seed)
             logits.append([])
-            responses = ppo.sample_static(sampler, model, ids, mask, config)
-            eager = [response_logits(m, torch.cat([ids, responses], 1), torch.cat([mask, torch.ones_like(responses)],
-                                                                                   1), ids.shape[1]).float() / 0.7
-                     for m in (model, exact)]
-            for z in eager:
-                z[..., config.suppress_tokens] = -math.inf
-            draws.append((responses, torch.stack(logits[-1], dim=1), *eager))
+            rollouts.append((ppo.sample_static(sampler, model, ids, mask, config), torch.stack(logits[-1], dim=1)))
     assert sampler["recordings"] == 1
-    return draws, tokenizer.eos_token_id
+    return rollouts
+
+
+def scaled_logits(model, ids, mask, responses, config):
+    """The eager forward's logits of every response token in fp32, as sampling_config samples from them: z / tau, the
+    suppressed tokens at -inf. [B, R, V]."""
+    with torch.no_grad():
+        z = response_logits(model, torch.cat([ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1),
+                            ids.shape[1]).float() / config.temperature
+    z[..., config.suppress_tokens] = -math.inf
+    return z
 
 
 def test_static_sampling_step_gives_the_eager_logits(static_draws):
