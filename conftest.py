@@ -1,8 +1,13 @@
 """The trained stages that test_ppo.py and test_ppo_loop.py start PPO from, trained once per test session."""
 
 import pytest
+import torch
 
 from test_sft_and_reward_model import FEW_STEPS, run
+
+# A run compiles ppo.decode_step once; the suite compiles it for many samplers in one process (bf16 and fp32, five
+# model families, ZeRO-3, the benchmark's limit), more than the 8 versions of one function dynamo keeps by default.
+torch._dynamo.config.recompile_limit = 64
 
 
 @pytest.fixture(scope="session")

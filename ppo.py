@@ -585,12 +585,14 @@ def static_sampler(actor, config: GenerationConfig, is_main: bool, args: Args, d
 @torch.no_grad()  # as in the rollout: a change of grad mode would compile the step again
 def record_decode_step(sampler: dict, batch_size: int, config: GenerationConfig) -> None:
     """sampler["step"]: decode_step for [batch_size, 1] tokens, compiled, and on CUDA recorded as a CUDA graph, after a
-    prompt of pad tokens has laid out the static cache; the addresses it reads kept, its recordings counted."""
+    made-up prompt has laid out the static cache; the addresses it reads kept, its recordings counted."""
     model, cache = sampler["model"], sampler["cache"]
-    ids = torch.full((batch_size, sampler["prompt_len"]), config.pad_token_id, device=model.device)
+    vocabulary = model.get_input_embeddings().num_embeddings
+    ids = torch.arange(batch_size * sampler["prompt_len"], device=model.device).view(batch_size, -1) % vocabulary
     mask, running = torch.ones_like(ids), torch.ones(batch_size, dtype=torch.bool, device=model.device)
     attention_mask = torch.nn.functional.pad(mask, (0, config.max_new_tokens), value=1)
-    decode_step(model, cache, ids, attention_mask, position_ids_from(mask), running, config)  # the cache's tensors
+    prompt = (model, cache, ids, attention_mask, position_ids_from(mask), running, config)
+    decode_step(*prompt)  # lays out the cache's tensors
     step = torch.compile(decode_step, fullgraph=True, dynamic=False)
     position_ids = torch.full((batch_size, 1), sampler["prompt_len"], device=model.device)
     inputs = (model, cache, ids[:, -1:].contiguous(), attention_mask, position_ids, running, config)
@@ -600,6 +602,16 @@ def record_decode_step(sampler: dict, batch_size: int, config: GenerationConfig)
     except Exception as error:  # a model torch.compile cannot trace whole, a graph that cannot be recorded, memory
         plumbing.fail(f"--sampler static: the decode step of {type(model).__name__} could not be compiled and recorded "
                       f"({type(error).__name__}: {' '.join(str(error).split())[:300]}); use --sampler eager")
+    # The recorded step against the eager one after the same prompt: a step that read the wrong memory would sample
+    # from another policy, which nothing later sees (every log-prob is computed again by the eager forward).
+    logits = []
+    for run in (sampler["step"], decode_step):
+        cache.reset()
+        decode_step(*prompt)
+        logits.append(run(*inputs)[0].clone())
+    if not torch.allclose(*logits, rtol=0, atol=torch.where(logits[1].isfinite(), logits[1], 0).abs().max().item() / 8):
+        plumbing.fail(f"--sampler static: the recorded decode step of {type(model).__name__} gives other logits than "
+                      "the eager step; use --sampler eager")
     sampler["reads"], sampler["recordings"] = step_reads(model, cache), sampler["recordings"] + 1
 
 def step_reads(model, cache) -> list[int]:

@@ -564,21 +564,32 @@ def static_draws():
     return draws, tokenizer.eos_token_id
 
 
-def test_a_decode_step_that_does_not_compile_stops_with_one_line(monkeypatch):
+def test_a_decode_step_that_does_not_compile_or_differs_stops_with_one_line(monkeypatch):
     """A model whose decode step torch.compile cannot trace whole (or, on CUDA, a graph that cannot be recorded)
-    stops the run with one line that names the model and the way out, not a compiler's stack trace."""
-    def compile_that_fails(function, **options):
+    stops the run with one line that names the model and the way out, not a compiler's stack trace; so does a recorded
+    step whose logits are not the eager step's (one that read the wrong memory would sample from another policy)."""
+    def failing(function, **options):
         def compiled(*args):
             raise RuntimeError("Unsupported: data-dependent branching\n  from user code: ...")
         return compiled
-    monkeypatch.setattr(torch, "compile", compile_that_fails)
+
+    def off(function, **options):  # logits 1/8 of the largest off: a wrong step, not rounding
+        def compiled(*args):
+            z, tokens, running = function(*args)
+            return z + torch.where(z.isfinite(), z, 0).abs().max() / 4, tokens, running
+        return compiled
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
-    check_stops([(lambda: ppo.static_sampler(types.SimpleNamespace(module=model), ppo.sampling_config(tokenizer, 4, 1.0),
-                                             False, ppo.Args(max_prompt_len=8, per_device_rollout_batch_size=2),
-                                             torch.device("cpu")),
-                  "--sampler static: the decode step of LlamaForCausalLM could not be compiled and recorded "
-                  "(RuntimeError: Unsupported: data-dependent branching from user code: ...); use --sampler eager")])
+    sampler = functools.partial(ppo.static_sampler, types.SimpleNamespace(module=model),
+                                ppo.sampling_config(tokenizer, 4, 1.0), False,
+                                ppo.Args(max_prompt_len=8, per_device_rollout_batch_size=2), torch.device("cpu"))
+    for compile_as, message in [
+            (failing, "--sampler static: the decode step of LlamaForCausalLM could not be compiled and recorded "
+                      "(RuntimeError: Unsupported: data-dependent branching from user code: ...); use --sampler eager"),
+            (off, "--sampler static: the recorded decode step of LlamaForCausalLM gives other logits than the eager "
+                  "step; use --sampler eager")]:
+        monkeypatch.setattr(torch, "compile", compile_as)
+        check_stops([(sampler, message)])
 
 
 def static_rollouts(model, ids, mask, config, prompt_len, seeds):
