@@ -98,24 +98,7 @@ def main(args: Args) -> None:
     with tempfile.TemporaryDirectory() as folder:
         build_models(args, folder)
         bound = hardware_bound(args, *parameter_counts(ppo_flags(args, folder, "bound", 1)), **rates)
-        turns_per_round = args.warmup_iterations + args.iterations + 1  # the last ends each process: not timed
-        flags = ppo_flags(args, folder, "benchmark", turns_per_round)
-        sides = {"ppo.py": benchmark_call("ppo_in_turns", args, flags),
-                 "limit": benchmark_call("limit_in_turns", args, flags)}
-        for name, gc_freeze in [("TRL with gc.freeze()", True), ("TRL as shipped", False)] if args.trl_python else []:
-            sides[name] = [args.trl_python, "-c", TRL_IN_TURNS, *trl_command(  # TRL builds the same models again
-                args, os.path.join(folder, f"trl_{gc_freeze}"), turns_per_round, gc_freeze)]
-        pairs, turns = [], {name: [] for name in sides}
-        for round_number in range(1, 0 if args.profile else args.repeats + 1):  # --profile: no table
-            print(f"round {round_number}/{args.repeats}: {', '.join(sides)}, taking turns ...", flush=True)
-            lines, seconds_of = in_turns(sides, turns_per_round)
-            pairs += zip(json.loads(lines["ppo.py"]), json.loads(lines["limit"]))
-            for name in sides:
-                turns[name] += seconds_of[name][args.warmup_iterations:-1]
-        for ours in ["ppo.py", "limit"] if args.trl_python and pairs else []:  # a turn: an iteration, its logging
-            over = [statistics.median(t / o for t, o in zip(turns[name], turns[ours])) for name in list(sides)[2:]]
-            print(f"{ours}'s episodes per second over TRL's (median of {len(turns[ours])} pairs of iterations next to "
-                  f"each other): over TRL with gc.freeze() {over[0]:.2f}, over TRL as shipped {over[1]:.2f}")
+        pairs = [] if args.profile else table_pairs(args, folder)  # --profile: no table
         print("the profile: ppo.py and the limit in this process, phase by phase ...", flush=True)
         ppo_profile, limit_profile = profile_in_turns(args, folder)
 
@@ -187,6 +170,30 @@ def ppo_flags(args: Args, folder: str, exp_name: str, iterations: int) -> list[s
 
 
 # --- Turns: fresh processes, one iteration each, the others stopped (ppo.py, the limit, TRL), and the table. ---
+def table_pairs(args: Args, folder: str) -> list[tuple[dict, dict]]:
+    """The table's rounds: ppo.py and the limit (with --trl-python TRL's two variants too) in fresh processes taking
+    turns, one iteration each; each timed iteration of ppo.py paired with the limit's next to it. With --trl-python,
+    ppo.py's and the limit's episodes per second over TRL's are printed."""
+    turns_per_round = args.warmup_iterations + args.iterations + 1  # the last ends each process: not timed
+    flags = ppo_flags(args, folder, "benchmark", turns_per_round)
+    sides = {"ppo.py": benchmark_call("ppo_in_turns", args, flags),
+             "limit": benchmark_call("limit_in_turns", args, flags)}
+    for name, gc_freeze in [("TRL with gc.freeze()", True), ("TRL as shipped", False)] if args.trl_python else []:
+        sides[name] = [args.trl_python, "-c", TRL_IN_TURNS, *trl_command(  # TRL builds the same models again
+            args, os.path.join(folder, f"trl_{gc_freeze}"), turns_per_round, gc_freeze)]
+    pairs, turns = [], {name: [] for name in sides}
+    for round_number in range(1, args.repeats + 1):
+        print(f"round {round_number}/{args.repeats}: {', '.join(sides)}, taking turns ...", flush=True)
+        lines, seconds_of = in_turns(sides, turns_per_round)
+        pairs += zip(json.loads(lines["ppo.py"]), json.loads(lines["limit"]))
+        for name in sides:
+            turns[name] += seconds_of[name][args.warmup_iterations:-1]
+    for ours in ["ppo.py", "limit"] if args.trl_python else []:  # a turn: an iteration, its logging included
+        over = [statistics.median(t / o for t, o in zip(turns[name], turns[ours])) for name in list(sides)[2:]]
+        print(f"{ours}'s episodes per second over TRL's (median of {len(turns[ours])} pairs of iterations next to "
+              f"each other): over TRL with gc.freeze() {over[0]:.2f}, over TRL as shipped {over[1]:.2f}")
+    return pairs
+
 def in_turns(commands: dict[str, list[str]], iterations: int) -> tuple[dict[str, str], dict[str, list[float]]]:
     """Sides that take turns, one iteration each, in an order turning by one each iteration: commands in fresh
     processes that stop themselves (wait_for_turn) where each iteration starts, and end in their last turn; in a

@@ -93,8 +93,8 @@ elif name.startswith("ppo"):
 elif name == "benchmark":
     result = json.load(open(os.path.join(out, "benchmark.json")))  # the profile's: ppo.py and the limit in turns
     ms, bound, profile = result["generation_ms_per_token"], result["bound"], result["profile"]
-    iteration, steps = ([profile[side]["phases"]["optimizer steps"] if phase else profile[side]["mean_iteration"]
-                         for side in ("ppo.py", "limit")] for phase in (False, True))
+    iteration = [profile[side]["mean_iteration"] for side in ("ppo.py", "limit")]
+    steps = [profile[side]["phases"]["optimizer steps"] for side in ("ppo.py", "limit")]
     print(f"iteration {iteration[0]:.3f} s (limit {iteration[1]:.3f}), {iteration[0] / bound['iteration_s']:.1f} x the "
           f"bound {bound['iteration_s']:.3g} s; ms a token {ms['ppo.py']:.3g} (limit {ms['limit']:.3g}, floor "
           f"{ms['floor']:.3g}); optimizer steps {steps[0]:.3g} s (limit {steps[1]:.3g}, bound "

@@ -488,10 +488,13 @@ def sample_responses(actor, sampler: dict | None, prompt_ids, prompt_mask, gener
     actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
     synced = actor.zero_optimization_stage() == 3 and not weights_gathered
     try:
-        responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
-                                          generation_config=generation_config)[:, prompt_ids.shape[1] :] if hybrid \
-            else sample_static(sampler, actor.module, prompt_ids, prompt_mask, generation_config) if sampler \
-            else sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
+        if hybrid:
+            responses = actor.module.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced,
+                                              generation_config=generation_config)[:, prompt_ids.shape[1] :]
+        elif sampler:
+            responses = sample_static(sampler, actor.module, prompt_ids, prompt_mask, generation_config)
+        else:
+            responses = sample(actor.module, prompt_ids, prompt_mask, generation_config, synced)
     except Exception as error:
         if "probability tensor contains" in str(error):  # torch.multinomial's "... contains inf, nan or < 0"
             plumbing.fail(f"iteration {iteration}: the actor's next-token probabilities are not finite while "
@@ -856,8 +859,8 @@ def check_args(args: Args) -> None:
         plumbing.fail("--enable-hybrid-engine needs a GPU: DeepSpeed's hybrid engine runs CUDA inference kernels")
     if args.inference_tp_size > 1 and not (args.enable_hybrid_engine and args.actor_zero_stage == 3):
         plumbing.fail("--inference-tp-size above 1 needs --enable-hybrid-engine and --actor-zero-stage 3")
-    if args.sampler == "static" and static_sampler_blocker(args):
-        plumbing.fail(f"--sampler static {static_sampler_blocker(args)}: use --sampler eager")
+    if args.sampler == "static" and (blocker := static_sampler_blocker(args)):
+        plumbing.fail(f"--sampler static {blocker}: use --sampler eager")
 
 def samples_static(args: Args, device: torch.device) -> bool:
     """Whether the rollout samples with sample_static: --sampler static, or auto on CUDA where nothing blocks it."""
