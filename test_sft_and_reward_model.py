@@ -27,6 +27,7 @@ import tyro
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+import fast_sampling
 import plumbing
 from plumbing import free_port
 import ppo
@@ -75,7 +76,7 @@ def run(script, *flags, ranks=None, check=True, launch=launcher, here=False):
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-        if "--master_port" in command:  # the ranks removed DeepSpeed's shared-memory files (remove_shared_memory_file)
+        if "--master_port" in command:  # no rank made DeepSpeed's shared-memory files: plain gloo on a CPU
             port = command[command.index("--master_port") + 1]
             assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "a run left files in /dev/shm"
     return result
@@ -487,6 +488,7 @@ def one_rank_process_group(monkeypatch):
         for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=free_port()).items():
             monkeypatch.setenv(name, value)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as plumbing.init_distributed on a CPU
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
@@ -503,8 +505,7 @@ def test_stage_helpers_make_their_tensors_where_their_inputs_are(monkeypatch):
     policy = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
     scorer = AutoModelForSequenceClassification.from_pretrained(BASE_MODEL, num_labels=1).eval()
     engine = types.SimpleNamespace(module=scorer, eval=scorer.eval, train=scorer.train)
-    actor = types.SimpleNamespace(module=policy, eval=policy.eval, train=policy.train,
-                                  zero_optimization_stage=lambda: 0)
+    actor = types.SimpleNamespace(module=policy)
     texts = ["I watched this film and", "The story was", "A film about a dog that"]
     demonstrations = sft.tokenize_demonstrations([{"prompt": t, "chosen": " it was good."} for t in texts], tokenizer,
                                                  sft.Args(), "test")
@@ -521,17 +522,17 @@ def test_stage_helpers_make_their_tensors_where_their_inputs_are(monkeypatch):
     args = ppo.Args(world_size=1, batch_size=3, num_iterations=2, gradient_accumulation_steps=1,
                     per_device_train_batch_size=2, target_kl=0.1)
     config = ppo.sampling_config(tokenizer, 6, 1.0)
-    sampler = ppo.static_sampler(actor, config, False, ppo.Args(max_prompt_len=12, per_device_rollout_batch_size=3),
-                                 cpu)  # made before: transformers' StaticCache makes a tensor of its own without device=
+    sampler = fast_sampling.static_sampler(actor, config, False, ppo.Args(max_prompt_len=12,
+                                                                          per_device_rollout_batch_size=3),
+                                           cpu)  # made before: transformers' StaticCache makes a tensor without device=
     with torch.device("meta"):
         assert sft.evaluate(policy, sft_batches, cpu) == pytest.approx(alone[0], rel=1e-6)
         assert reward_model.evaluate(engine, pair_batches, cpu) == pytest.approx(alone[1], rel=1e-6)
         # ppo.py's rollout, as its loop calls the helpers
         P = padded["input_ids"].shape[1]
-        assert ppo.sample_responses(actor, sampler, padded["input_ids"], padded["attention_mask"], config, False, False,
-                                    0, 0).device == cpu
-        responses = ppo.sample_responses(actor, None, padded["input_ids"], padded["attention_mask"], config, False,
-                                         False, 0, 0)
+        assert fast_sampling.sample_static(sampler, policy, padded["input_ids"], padded["attention_mask"],
+                                           config).device == cpu
+        responses = ppo.sample(policy, padded["input_ids"], padded["attention_mask"], config, False)
         response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
         sequences = torch.cat([padded["input_ids"], responses], dim=1)
         attention_mask = torch.cat([padded["attention_mask"], response_mask], dim=1)
@@ -558,8 +559,8 @@ def test_stage_helpers_make_their_tensors_where_their_inputs_are(monkeypatch):
         assert torch.isfinite(ppo.loss_weight(response_mask, tokens[0], args) * pg_loss)
         sums = ppo.new_update_sums(cpu)
         ppo.add_update_sums(sums, new_logits, response_mask, pg_loss, vf_loss, pg_stats, vf_clipfrac, args)
-        rollout = dict(kl=kl, scores=scores, valid=valid, logprobs=logprobs, update_mask=response_mask,
+        rollout = dict(kl=kl, scores=scores, valid=valid, logprobs=logprobs, mask=response_mask, kl_coef=0.05,
                        response_mask=response_mask, contains_eos=(responses == tokenizer.eos_token_id).any(dim=1))
         times = {"eps": 1.0, "time/rollout": 1.0, "time/generation": 1.0, "time/update": 1.0}
-        metrics = ppo.iteration_metrics(sums, rollout, 0.05, 1e-5, 0, times, args)
+        metrics = ppo.iteration_metrics(sums, rollout, 1e-5, 0, times, args)
         assert math.isfinite(metrics["objective/kl"]) and ppo.adapted_kl_coef(0.05, kl, valid, args) > 0
