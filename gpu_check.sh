@@ -68,6 +68,14 @@ def ppo_figure(folder):
     m = metrics(folder)[-1]
     return (f"iteration {m['iteration']}: KL {m['objective/kl']:.2f}, score {m['objective/scores']:+.2f}, "
             f"peak GPU {m['memory/max_allocated_gb']:.2f} GB allocated")
+def sampler(name):  # benchmark.py's profile with --sampler NAME, and the metrics of its ppo.py run
+    result = json.load(open(os.path.join(out, f"benchmark_{name}.json")))
+    m = [json.loads(line) for line in open(max(glob.glob(f"runs/benchmark_profile_{name}__*/metrics.jsonl"),
+                                               key=os.path.getmtime))]
+    ms, profile = result["generation_ms_per_token"], result["profile"]["ppo.py"]
+    return {"ms a token": ms["ppo.py"], "floor": ms["floor"], "iteration s": profile["mean_iteration"],
+            "first ratio": m[0]["val/ratio"], "first approxkl": m[0]["policy/approxkl_avg"],
+            "iterations": m[-1]["iteration"], "KL": m[-1]["objective/kl"]}
 if name == "sft":
     print(re.findall(r"held-out loss [\d.]+ -> [\d.]+", log)[-1])
 elif name == "reward_model":
@@ -88,15 +96,7 @@ elif name == "ppo_ema":
     print(ppo_figure("ppo_ema") + f"; actor_ema saved: {os.path.isdir(os.path.join(out, 'ppo_ema', 'actor_ema'))}")
 elif name.startswith("ppo"):
     print(ppo_figure(name))
-def sampler(name):  # benchmark.py's profile with --sampler NAME, and the metrics of its ppo.py run
-    result = json.load(open(os.path.join(out, f"benchmark_{name}.json")))
-    m = [json.loads(line) for line in open(max(glob.glob(f"runs/benchmark_profile_{name}__*/metrics.jsonl"),
-                                               key=os.path.getmtime))]
-    ms, profile = result["generation_ms_per_token"], result["profile"]["ppo.py"]
-    return {"ms a token": ms["ppo.py"], "floor": ms["floor"], "iteration s": profile["mean_iteration"],
-            "first ratio": m[0]["val/ratio"], "first approxkl": m[0]["policy/approxkl_avg"],
-            "iterations": m[-1]["iteration"], "KL": m[-1]["objective/kl"]}
-if name.startswith("sampler_"):
+elif name.startswith("sampler_"):
     s = sampler(name.removeprefix("sampler_"))
     print(f"{s['ms a token']:.3g} ms a token (floor {s['floor']:.3g}), iteration {s['iteration s']:.3f} s; first "
           f"update: ratio {s['first ratio']:.4f}, approxkl {s['first approxkl']:.2e}; KL to the reference after "

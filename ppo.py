@@ -149,7 +149,8 @@ class Args:
     """save the actor in OUTPUT_DIR/snapshots/iteration_N every this many iterations and the last (0: never), for
     evaluate.py's picture of reward-model and gold scores along training"""
     resume: bool = False
-    """continue the unfinished run in OUTPUT_DIR from its latest checkpoint, with its settings (but memory and logs)"""
+    """continue the unfinished run in OUTPUT_DIR from its latest checkpoint with its settings: only how it is saved,
+    logged, sampled or laid out in memory may change (RESUME_MAY_CHANGE)"""
     overwrite: bool = False
     """write into a non-empty --output-dir that ppo.py did not write, or over an unfinished run's checkpoints there"""
 
