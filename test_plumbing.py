@@ -491,6 +491,11 @@ def test_an_output_folder_is_never_destroyed(tmp_path, monkeypatch):
     (notes / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")
     plumbing.claim_output_dir(str(notes), {}, False)
     assert (notes / ".lock").read_text() == f"{socket.gethostname()} {os.getpid()}"
+    # Taken over in a folder that holds no record: the claim still writes this script's record.
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / ".lock").write_text(f"{socket.gethostname()} {gone.pid}")
+    plumbing.claim_output_dir(str(tmp_path / "killed"), {}, True)
+    assert plumbing.read_record(str(tmp_path / "killed")) == {"script": "sft.py", "finished": False}
 
 
 @contextlib.contextmanager
@@ -737,7 +742,9 @@ def test_run_names_are_unique_even_in_the_same_second(tmp_path, monkeypatch, cap
                   "--exp-name '../elsewhere' must be a plain name (no '/'): it names the run's folder in runs/")])
     shutil.rmtree("runs")
     open("runs", "w").close()  # a file where the runs' folder goes
-    check_stops([(lambda: plumbing.new_run_name("sft", 1), "cannot make runs/ for the run's logs (File exists)")])
+    check_stops([(lambda: plumbing.new_run_name("sft", 1),
+                  "cannot make runs/sft__1__1700000000 for the run's logs (Not a directory); run from a folder you can "
+                  "write, where runs is no file")])
 
 
 def test_on_rank_0_follows_the_jobs_rank_0_not_each_nodes(monkeypatch):

@@ -406,8 +406,8 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     plumbing.start_logging(resumed, 2, dataclasses.replace(args, resume=True), [])[1].close()
     assert notes.read_text() == "the user's\n"
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": "../elsewhere"})
-    check_stops([(lambda: start(resume=True), f"--resume: {out / plumbing.RECORD} is damaged (its run_name or inputs "
-                                              "are not those ppo.py writes); start a new run with --overwrite")])
+    check_stops([(lambda: start(resume=True), f"--resume: {out / plumbing.RECORD} is damaged (its run_name is not one "
+                                              "ppo.py writes); start a new run with --overwrite")])
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": ["../elsewhere"]})  # no record of ours
     check_stops([(lambda: start(resume=True), f"--output-dir '{out}' is not empty and holds no earlier output of "
                                               "ppo.py; name a new or empty folder, or pass --overwrite")])

@@ -20,19 +20,8 @@ from .folders import (ITERATION_FOLDER, RECORD, RUN_NAME, WRITE_ERRORS, claim_ou
 from .processes import fail, script
 
 
-def save_weights(engine, path: str, is_main: bool) -> None:
-    """A frozen engine's parameters, whole (every rank takes part; rank 0 writes), in PATH/model.safetensors."""
-    weights = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters(param, enabled=engine.zero_optimization_stage() == 3):
-            if is_main:
-                weights[name] = param.detach().cpu().clone()
-    if is_main:
-        os.makedirs(path, exist_ok=True)
-        safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
-
 def load_weights(engine, weights: dict[str, torch.Tensor]) -> None:
-    """The inverse of save_weights: every parameter set from `weights`, under ZeRO-3 into every rank's partition."""
+    """Every parameter of an engine set from WEIGHTS (by name), under ZeRO-3 into every rank's partition."""
     for name, param in engine.module.named_parameters():
         with torch.no_grad(), deepspeed.zero.GatheredParameters(
                 param, modifier_rank=0, enabled=engine.zero_optimization_stage() == 3):
@@ -89,10 +78,11 @@ def link_optimizer_states(engine) -> None:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
 
 def save_training_state(engine, path: str, is_main: bool) -> dict:
-    """For --resume: fp32 master weights (model.safetensors) and Adam's moments (adam.safetensors) of the trained
-    parameters, whole, by the engine's names (every rank takes part, rank 0 writes); a frozen one (LoRA's base weights)
-    only its fp32 weight. Returns the optimizer's step, the scheduler's state and in fp16 the loss scale's."""
+    """For --resume: an engine's parameters in fp32, whole, by name (every rank takes part, rank 0 writes): the
+    trained ones' master copies in model.safetensors and Adam's moments in adam.safetensors, the frozen ones' (LoRA's
+    base, a frozen engine's all) weights. Returns the optimizer's step, scheduler state and fp16 loss scale, or {}."""
     base_optimizer = torch_optimizer(engine)
+    trained = any(param.requires_grad for param in engine.module.parameters())  # else a frozen engine (the EMA)
     link_optimizer_states(engine)
     weights, moments = {}, {}
     for name, param in engine.module.named_parameters():
@@ -116,7 +106,10 @@ def save_training_state(engine, path: str, is_main: bool) -> dict:
     if is_main:
         os.makedirs(path, exist_ok=True)
         safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"))
-        safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
+        if trained:
+            safetensors.torch.save_file(moments, os.path.join(path, "adam.safetensors"))
+    if not trained:
+        return {}
     adam_step = int(next(iter(base_optimizer.state.values()))["step"])
     return {"adam_step": adam_step, "scheduler": engine.lr_scheduler.state_dict(), "loss_scale": loss_scale(engine)}
 
@@ -136,9 +129,8 @@ def loss_scale(engine) -> dict | None:
                                         if hasattr(scaler, name)}
 
 def load_training_state(engine, path: str, saved: dict, device: torch.device) -> None:
-    """Restore what save_training_state wrote into an engine built as at the start: weights (the model's, in its dtype,
-    and under bf16 or ZeRO the fp32 master copy), Adam's moments and step count, the learning rate, and in fp16 the
-    loss scale."""
+    """Restore what save_training_state wrote into an engine built as at the start: weights (and the fp32 masters),
+    Adam's moments and step count, the learning rate, and in fp16 the loss scale."""
     # Adam's moments appear at the first step: one with lr 0 and zero gradients makes them; all is overwritten below.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
@@ -205,7 +197,6 @@ def same_layout(value, template) -> bool:
     if isinstance(template, (int, float)):
         return isinstance(value, (int, float)) and math.isfinite(value)
     return type(value) is type(template)
-
 
 def changed_settings(saved: dict, args, may_change: list[str]) -> list[str]:
     """The flags of this run whose values differ from those a checkpoint was written with, but for MAY_CHANGE; the
@@ -286,11 +277,10 @@ def continue_metrics_file(path: str, iteration: int) -> None:
     write_whole(path, "".join(kept))
 
 def start_run(args, inputs: dict[str, str | None], subfolders: list[str], may_change: list[str]) -> dict:
-    """Rank 0's checks of the output folder before anything loads, and the run: a new one, or with --resume the
-    unfinished one in OUTPUT_DIR, with its settings (but MAY_CHANGE: changed_settings) and its models, by content
-    (INPUTS: flag -> path; a model's flag names one).
-    Returns its name (runs/RUN_NAME), its metrics.jsonl, the checkpoints to resume from, newest first, and the models'
-    identities (folder_identity). Nothing is written but the claim (claim_output_dir)."""
+    """Rank 0, before anything loads: the output folder claimed (claim_output_dir: nothing else is written), and a new
+    run, or with --resume the unfinished one in OUTPUT_DIR with its settings (but MAY_CHANGE) and models (INPUTS: flag
+    -> path; a model's flag names one), by content. Returns its name, its metrics.jsonl, the checkpoints to resume
+    from, newest first, and the models' identities (folder_identity)."""
     models = {flag: path for flag, path in inputs.items() if "model" in flag}  # folders, known by their content
     identities = {flag: folder_identity(path) for flag, path in models.items()}
     record = read_record(args.output_dir) or {}  # an earlier run's, if this script wrote this folder before
@@ -310,10 +300,9 @@ def start_run(args, inputs: dict[str, str | None], subfolders: list[str], may_ch
                 "checkpoints": [], "inputs": identities, "models": models}
     if "run_name" not in record:
         fail(f"--resume: no run of {script()} in {args.output_dir!r} to continue")
-    if not (isinstance(record["run_name"], str) and RUN_NAME.fullmatch(record["run_name"])
-            and isinstance(record.get("inputs", {}), dict)):
-        fail(f"--resume: {os.path.join(args.output_dir, RECORD)} is damaged (its run_name or inputs are not those "
-             f"{script()} writes); start a new run with --overwrite")
+    if not RUN_NAME.fullmatch(record["run_name"]):  # (read_record has checked the fields' types)
+        fail(f"--resume: {os.path.join(args.output_dir, RECORD)} is damaged (its run_name is not one {script()} "
+             "writes); start a new run with --overwrite")
     if record.get("finished"):
         fail(f"--resume: the run in {args.output_dir!r} has finished all its iterations; nothing to resume")
     states = [state for state in map(read_state, checkpoints) if state is not None]
@@ -343,11 +332,10 @@ def start_run(args, inputs: dict[str, str | None], subfolders: list[str], may_ch
             "models": models}
 
 def start_logging(run: dict, start_iteration: int, args, logs: list[str]) -> tuple:
-    """Rank 0's tensorboard writer and open metrics.jsonl of the RUN (start_run's), once every input has loaded, and
-    still holds what start_run fingerprinted (a model folder rewritten meanwhile, by a stage saving into it, would
-    make the run train from a model its record does not name); a new run's record replaces an earlier run's now. A
-    resumed run continues its own logs (metrics.jsonl and LOGS, more .jsonl files beside it, each checked writable
-    now), without the lines after its checkpoint."""
+    """Rank 0, once every input has loaded and still holds what start_run fingerprinted (a stage saving into a model
+    folder meanwhile would make the run train from a model its record does not name): a new run's record replaces an
+    earlier run's; a resumed run's logs (metrics.jsonl and LOGS beside it) lose the lines after its checkpoint. Returns
+    the tensorboard writer and the open metrics.jsonl of the RUN (start_run's)."""
     for flag, path in run["models"].items():
         if folder_identity(path) != run["inputs"][flag]:
             fail(f"{flag} {path!r} changed while this run loaded it (is a run writing into it?); run again once the "
@@ -365,9 +353,8 @@ def start_logging(run: dict, start_iteration: int, args, logs: list[str]) -> tup
     return writer, open_log(run["metrics_file"])
 
 def read_state(checkpoint: str) -> dict | None:
-    """A checkpoint's state.json, or None if it does not read or a value in it is not of its kind: the iteration an
-    int, the args and each engine's state a dict, the run name text, each other value a finite number (a file read
-    back from the output folder is untrusted)."""
+    """A checkpoint's state.json, or None if it does not read or a value is not of its kind (the file is untrusted):
+    the iteration an int, the args and each engine's state a dict, the run name text, each other a finite number."""
     with contextlib.suppress(OSError, ValueError, RecursionError), open(os.path.join(checkpoint, "state.json")) as f:
         state = json.load(f)
         if isinstance(state, dict) and type(state.get("iteration")) is int and isinstance(state.get("args"), dict) \
@@ -379,9 +366,8 @@ def read_state(checkpoint: str) -> dict | None:
 
 def load_checkpoint(checkpoints: list[str], trained: dict, frozen: dict, values: list[str], rank_keys: list[str],
                     args, device) -> tuple[dict, dict | None]:
-    """--resume: the engines take the state of the newest checkpoint that reads whole, TRAINED (name -> engine) their
-    weights and optimizer states, FROZEN (name -> engine, or None: none) their weights. Returns its state.json (the
-    iteration, VALUES) and this rank's tensors (RANK_KEYS; None from a checkpoint without them)."""
+    """--resume: the TRAINED and FROZEN engines (name -> engine, or None) take the state of the newest checkpoint that
+    reads whole. Returns its state.json (the iteration, VALUES) and this rank's tensors (RANK_KEYS), or None."""
     is_main, frozen = dist.get_rank() == 0, {name: engine for name, engine in frozen.items() if engine is not None}
     for resume_dir in checkpoints:
         state = read_state(resume_dir)
@@ -406,11 +392,10 @@ def load_checkpoint(checkpoints: list[str], trained: dict, frozen: dict, values:
 
 def checkpoint_problem(checkpoint: str, state: dict | None, trained: dict, frozen: dict, values: list[str],
                        rank_keys: list[str], num_iterations: int) -> str | None:
-    """Why --resume cannot continue from CHECKPOINT, or None: a state.json that does not read (STATE: read_state's),
-    an iteration not the run's, one of VALUES missing, optimizer or scheduler states not those of the TRAINED engines
-    (same_layout); an engine's folder without whole safetensors files of its parameters, and Adam's two moments of
-    each if it is trained (engine_state_problem); a rank's tensors not RANK_KEYS. Every rank reads all ranks' files,
-    so that all choose the same checkpoint."""
+    """Why --resume cannot continue from CHECKPOINT, or None: no STATE (read_state's), an iteration not the run's, one
+    of VALUES missing, the TRAINED engines' optimizer or scheduler states of another layout, an engine's files not
+    whole (engine_state_problem), a rank's tensors not RANK_KEYS. Every rank reads all ranks' files, so that all
+    choose the same checkpoint."""
     if state is None:
         return "its state.json is missing or damaged"
     if not 1 <= state["iteration"] <= num_iterations:
@@ -435,10 +420,9 @@ def checkpoint_problem(checkpoint: str, state: dict | None, trained: dict, froze
 
 def save_checkpoint(iteration: int, run_name: str, trained: dict, frozen: dict, values: dict,
                     rank_tensors: dict[str, torch.Tensor], args) -> None:
-    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N, written whole or not at all: the training state of
-    the TRAINED engines (name -> engine), the weights of the FROZEN ones (None: none), the iteration, VALUES (name ->
-    number) and each rank's RANK_TENSORS (every rank takes part, ZeRO gathers); rank 0 writes the rest, and removes an
-    earlier run's checkpoints."""
+    """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N, whole or not at all: the state of the TRAINED and
+    FROZEN engines (name -> engine, or None), the iteration, VALUES (name -> number) and each rank's RANK_TENSORS
+    (every rank takes part); rank 0 writes the rest, and first removes an earlier run's checkpoints."""
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
@@ -448,11 +432,9 @@ def save_checkpoint(iteration: int, run_name: str, trained: dict, frozen: dict, 
     dist.barrier()
     try:
         state = {"iteration": iteration, **values, "args": asdict(args), "run_name": run_name}
-        for name, engine in trained.items():
-            state[name] = save_training_state(engine, os.path.join(path + ".tmp", name), is_main)
-        for name, engine in frozen.items():
+        for name, engine in {**trained, **frozen}.items():
             if engine is not None:
-                save_weights(engine, os.path.join(path + ".tmp", name), is_main)
+                state[name] = save_training_state(engine, os.path.join(path + ".tmp", name), is_main)
         os.makedirs(path + ".tmp", exist_ok=True)
         safetensors.torch.save_file({k: v.cpu().contiguous() for k, v in rank_tensors.items()},
                                     os.path.join(path + ".tmp", f"rank_{dist.get_rank()}.safetensors"))

@@ -15,9 +15,8 @@ DATA_FORMATS = {".json": "JSON", ".jsonl": "JSON", ".parquet": "Parquet", ".csv"
                 ".arrow": "Arrow"}  # the data files `datasets` reads from a folder, by their loader
 
 def check_data_folder(folder: str, flag: str, split: str) -> None:
-    """A local data folder holds its data files in one format, each once (`datasets` reads one format's files, leaving
-    the others out unsaid, and reads both train.json and train.jsonl). A SPLIT read from several files (shards, or a
-    copy in a subfolder: old/train.jsonl) is said, file by file."""
+    """A local data folder holds its data files in one format, each once (`datasets` would leave the other formats out
+    unsaid, and read both train.json and train.jsonl); a SPLIT read from several files is said, file by file."""
     files = []
     for root, folders, names in os.walk(folder):
         folders[:] = sorted(name for name in folders if not name.startswith((".", "_")))  # as `datasets` skips them
@@ -110,9 +109,8 @@ def split_conversation(text: str, assistant_marker: str, where: str) -> tuple[st
     return prompt, response
 
 def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_marker: str | None = None) -> list:
-    """The token ids of one row's prompt: text as it is (text that spells "<|endoftext|>" stays text, never a real
-    EOS), with assistant_marker a whole conversation cut at its last marker (split_conversation), and a list of
-    {"role", "content"} messages through the tokenizer's chat template, up to the opening of the assistant's turn."""
+    """The token ids of one row's prompt: text as it is (a spelled "<|endoftext|>" stays text, never a real EOS), with
+    assistant_marker a conversation cut at its last one, or {"role", "content"} messages through the chat template."""
     value, where = row[column], f"row {i} of split {split!r}, column {column!r}"
     if not isinstance(value, list):
         text = text_of(row, i, column, split)
@@ -140,9 +138,8 @@ def prompt_ids(tokenizer, row: dict, i: int, column: str, split: str, assistant_
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def response_ids(tokenizer, text: str, where: str) -> list:
-    """The token ids of a response, then EOS: text as it is (text that spells "<|endoftext|>" stays text, never a real
-    EOS). A response that is no token at all (the tokenizer's normalizer drops its text) stops with one line naming
-    WHERE it is: it would teach, or be scored as, an empty answer."""
+    """The token ids of a response, then EOS (a spelled "<|endoftext|>" stays text); one line naming WHERE for one that
+    is no token at all, which would teach, or be scored as, an empty answer."""
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     if not ids:
         fail(f"{where}: the response {text[:40]!r} is no token at all in this tokenizer (its normalizer drops the "

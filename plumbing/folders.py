@@ -23,9 +23,9 @@ from .processes import fail, pid_alive, script
 
 
 def folder_identity(path: str | None) -> str | None:
-    """What identifies a model folder moved or named another way, and tells it from a model put in its place, even
-    one changed in a single weight or token: a SHA-256 of the names and whole content of the files of the model and
-    its tokenizer (SAVED_FILE's but the record and generation config; about 1 GB/s). A hub name (or None) is itself."""
+    """What identifies a model folder wherever it is, and tells it from another model, even one a weight or a token
+    apart: a SHA-256 of the names and content of its model and tokenizer files (SAVED_FILE's but the record and
+    generation config; about 1 GB/s). A hub name (or None) is itself."""
     if path is None or not os.path.isdir(path):
         return path
     digest = hashlib.sha256()
@@ -44,8 +44,8 @@ RECORD_FIELDS = {"script": str, "finished": bool, "run_name": str, "metrics_file
                  "files": list, "iteration": int}
 
 def read_record(folder: str) -> dict | None:
-    """The training_run.json of a folder, or None if it has none that reads as this project's (it does not parse, a
-    field is of another type than RECORD_FIELDS says) or only a link to one."""
+    """The training_run.json of a folder, or None if it has none, only a link to one, or one that is not this project's
+    (it does not parse, a field is of another type than RECORD_FIELDS says)."""
     with contextlib.suppress(OSError, ValueError, RecursionError), open(own_path(folder, RECORD, SAVED_FILE)
                                                                          or os.devnull) as f:
         record = json.load(f)
@@ -54,9 +54,8 @@ def read_record(folder: str) -> dict | None:
             return record
     return None
 
-# Names read back from an output folder (its record, `latest`) are untrusted: one is used only if it is a name of the
-# kind this project writes there (one of these patterns: never a path, never hidden) and names a regular file or
-# folder, never a link (own_path).
+# Names read back from an output folder (its record, `latest`) are untrusted: own_path uses one only if it is of the
+# kind this project writes there (one of these patterns: never a path, never hidden), and never through a link.
 SAVED_FILE = re.compile(r"(model|adapter_model)(-\d+-of-\d+)?\.safetensors(\.index\.json)?|(config|generation_config|"
                         r"tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|chat_template)\.json|"
                         r"(vocab|merges)\.txt|chat_template\.jinja|\w[\w.-]*\.(model|tiktoken)|training_run\.json")
@@ -94,8 +93,8 @@ def write_json(path: str, value) -> None:
     write_whole(path, json.dumps(value, indent=1))
 
 def write_whole(path: str, text: str) -> None:
-    """Write a file whole or not at all, or one line: a new file of a fresh name beside it (never an entry that is
-    there already, which may be linked to another file), flushed to disk and renamed into place."""
+    """Write a file whole or not at all, or one line: a new file of a fresh name beside it (never an entry there
+    already, which may be linked to another file), flushed to disk and renamed into place."""
     temporary = None
     try:
         fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
@@ -113,8 +112,8 @@ def write_whole(path: str, text: str) -> None:
 WRITE_ERRORS = (OSError, safetensors.SafetensorError)  # a full disk, a quota, a folder made read-only meanwhile
 
 def stop_after_failed_write(error: Exception, partial: str, what: str, kept: str) -> None:
-    """Stop with one line after a write failed: how much this run had written to PARTIAL (its own folder, removed
-    now: nothing half-written stays behind), and what is still whole (KEPT)."""
+    """Stop with one line after a write failed: how much of PARTIAL (this run's folder) was written, removed now, and
+    what is still whole (KEPT)."""
     written = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(partial) for name in names)
     shutil.rmtree(partial, ignore_errors=True)
     fail(f"cannot write {what} ({' '.join(str(error).split())[:200]}); the {written / 2**20:.1f} MB of it written are "
@@ -129,8 +128,8 @@ def fsync_tree(path: str) -> None:
             os.close(fd)
 
 def check_output_dir(output_dir: str, inputs: dict[str, str | None]) -> None:
-    """OUTPUT_DIR can be this run's: not a file, nor a link to nowhere, nor an input (INPUTS: flag -> path), holding
-    one or inside one (a file written into a data set folder would be read as data next time)."""
+    """OUTPUT_DIR is not a file, a link to nowhere, or an input (INPUTS: flag -> path), holding one or inside one (a
+    file written into a data set folder would be read as data next time)."""
     if os.path.isfile(output_dir):
         fail(f"--output-dir {output_dir!r} is a file; name a folder")
     if os.path.islink(output_dir) and not os.path.exists(output_dir):
@@ -145,10 +144,9 @@ def check_output_dir(output_dir: str, inputs: dict[str, str | None]) -> None:
                  "become part of it); name a folder outside it")
 
 def refuse_entries_not_ours(output_dir: str, subfolders: list[str]) -> None:
-    """Stop with one line where a run would write through a link in OUTPUT_DIR (into or out of the folder it points
-    to), or over an entry it cannot own: its staging folder .saving (a folder there, or in a model folder of the
-    SUBFOLDERS it writes: snapshots/, resume/, ...) and the .tmp entries of unfinished writes (regular files or
-    folders): anything else of those names is not what a run leaves there."""
+    """Stop with one line where a run would write through a link in OUTPUT_DIR or its SUBFOLDERS, or over an entry of a
+    run's names that no run left: a .saving (staging) that is not a folder, a .tmp (an unfinished write) that is
+    neither a regular file nor a folder."""
     paths = [os.path.join(output_dir, name) for name in [".saving", *subfolders]]
     for path in list(paths):
         if os.path.isdir(path) and not os.path.islink(path):
@@ -167,19 +165,18 @@ def refuse_entries_not_ours(output_dir: str, subfolders: list[str]) -> None:
 
 def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: bool,
                      subfolders: list[str] = ()) -> None:
-    """Make OUTPUT_DIR this run's before any model loads, or stop with a message: neither it nor its SUBFOLDERS an
-    input nor holding one, nor a link inside; if not empty, this script's earlier output unless --overwrite; writable.
-    OUTPUT_DIR/.lock (host and pid) keeps a second run out while this one lives (a killed run's is taken over)."""
+    """Make OUTPUT_DIR this run's before any model loads, or one line: it and its SUBFOLDERS checked (check_output_dir,
+    refuse_entries_not_ours); if not empty, this script's earlier output unless --overwrite; writable. OUTPUT_DIR/.lock
+    (host and pid) keeps a second run out while this one lives (a killed run's is taken over)."""
     script_name = script()
     for path in [output_dir] + [os.path.join(output_dir, name) for name in subfolders]:
         check_output_dir(path, inputs)
     refuse_entries_not_ours(output_dir, list(subfolders))
     ours = (read_record(output_dir) or {}).get("script") == script_name
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        if not ours:
-            fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script_name}; name a new "
-                 "or empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing "
-                 "else is deleted)")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite and not ours:
+        fail(f"--output-dir {output_dir!r} is not empty and holds no earlier output of {script_name}; name a new or "
+             "empty folder, or pass --overwrite to write into it (files of the same names are replaced, nothing else "
+             "is deleted)")
     lock, me = os.path.join(output_dir, ".lock"), f"{socket.gethostname()} {os.getpid()}"
     for _ in range(2):
         try:
@@ -188,8 +185,8 @@ def claim_output_dir(output_dir: str, inputs: dict[str, str | None], overwrite: 
                 f.write(me)
             break
         except FileExistsError:  # a run's lock is a regular file of its own, "host pid"
-            ours = own_path(output_dir, ".lock", re.compile(r"\.lock")) and os.stat(lock).st_nlink == 1
-            fields = open(lock).read(256).split() if ours else []
+            a_run_lock = own_path(output_dir, ".lock", re.compile(r"\.lock")) and os.stat(lock).st_nlink == 1
+            fields = open(lock).read(256).split() if a_run_lock else []
             if len(fields) != 2 or not fields[1].isdigit():
                 fail(f"{lock!r} is not the lock file of a run (a host and a pid, in a file of its own); remove it")
             host, pid = fields
@@ -225,25 +222,20 @@ def append_line(file, line: str) -> None:
              "--resume")
 
 def new_run_name(exp_name: str, seed: int) -> str:
-    """A new run's name, EXP_NAME__SEED__TIME (cleanrl's), and its folder runs/RUN_NAME (tensorboard logs, ppo.py's
-    metrics.jsonl), made for it alone before anything loads: a run started in the same second under the same name
-    gets RUN_NAME_2 (and so on), and says so, instead of sharing its logs."""
+    """A new run's name, EXP_NAME__SEED__TIME (cleanrl's), and its folder runs/RUN_NAME for its logs, made for it alone:
+    a run started in the same second under the same name gets RUN_NAME_2 (and so on), and says so."""
     if "/" in exp_name or os.sep in exp_name or exp_name in ("", ".", ".."):
         fail(f"--exp-name {exp_name!r} must be a plain name (no '/'): it names the run's folder in runs/")
     base = f"{exp_name}__{seed}__{int(time.time())}"
-    try:
-        os.makedirs("runs", exist_ok=True)
-    except OSError as error:  # a file named runs, a folder that cannot be written
-        fail(f"cannot make runs/ for the run's logs ({error.strerror}); run from a folder you can write, where runs "
-             "is not a file")
     for number in range(1, 1000):
         run_name = base if number == 1 else f"{base}_{number}"
         try:
-            os.mkdir(os.path.join("runs", run_name))  # exclusive: two runs never get one folder
+            os.makedirs(os.path.join("runs", run_name))  # exclusive: two runs never get one folder
         except FileExistsError:
             continue
-        except OSError as error:
-            fail(f"cannot write the run's logs to runs/{run_name} ({error.strerror}); run from a folder you can write")
+        except OSError as error:  # a file named runs, a folder that cannot be written
+            fail(f"cannot make runs/{run_name} for the run's logs ({error.strerror}); run from a folder you can "
+                 "write, where runs is no file")
         if number > 1:
             print(f"runs/{base} is another run's (started in the same second): this run logs to runs/{run_name}")
         return run_name
@@ -251,8 +243,8 @@ def new_run_name(exp_name: str, seed: int) -> str:
 
 def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dict: dict | None = None) -> None:
     """The model as an ordinary Hugging Face folder (safetensors, tokenizer, record), written in OUTPUT_DIR/.saving,
-    flushed and moved into place file by file (a run killed while saving leaves the earlier model whole). Regular files
-    an earlier save wrote (its record lists them; SAVED_FILE's names) and this one does not are removed, no other."""
+    flushed and moved into place file by file (a run killed while saving leaves the earlier model whole); the files an
+    earlier save wrote (its record lists them) and this one does not are removed, no other."""
     try:
         os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, ".saving")
@@ -263,9 +255,8 @@ def save_model_folder(model, tokenizer, output_dir: str, record: dict, state_dic
         saved = os.listdir(staging) + [RECORD]
         write_json(os.path.join(staging, RECORD), {**record, "files": sorted(saved)})
         fsync_tree(staging)
-        listed = (read_record(output_dir) or {}).get("files")
         ignored = []
-        for name in listed if isinstance(listed, list) else []:
+        for name in (read_record(output_dir) or {}).get("files", []):  # (read_record has checked that it is a list)
             if name in saved:
                 continue
             earlier = own_path(output_dir, name, SAVED_FILE)

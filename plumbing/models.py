@@ -91,9 +91,9 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
 def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool, model_path: str):
-    """The tokenizer, with an EOS and a pad token distinct from it (added if missing: padding equal to EOS would mask
-    the real EOS, DeepSpeed-Chat's trap), and whether it was added (the model's embeddings must then grow); every
-    other token must have a row in the embeddings of the model at MODEL_PATH."""
+    """The tokenizer (each token with a row in the embeddings of the model at MODEL_PATH), with an EOS and a pad token
+    distinct from it (a pad equal to EOS would mask the real EOS: DeepSpeed-Chat's trap), and whether the pad was
+    added (the model's embeddings must then grow)."""
     tokenizer = load_tokenizer(path, hint, trust_remote_code)
     check_vocabulary(tokenizer, model_path, hint, trust_remote_code)
     if tokenizer.eos_token_id is None:
@@ -106,9 +106,8 @@ def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_ma
     return tokenizer, added_pad_token
 
 def check_vocabulary(tokenizer, path: str, hint: str, trust_remote_code: bool, added: int = 0) -> None:
-    """Every token of TOKENIZER but the ADDED ones (which the caller resizes the embeddings for) has a row in the
-    embeddings of the model at PATH (config.json's vocab_size): tokens added without resize_token_embeddings would index
-    past them, an IndexError deep inside the model."""
+    """Every token of TOKENIZER but the ADDED ones (the caller resizes for them) has a row in the embeddings of the
+    model at PATH (config.json's vocab_size): one without would stop the run with an IndexError deep inside it."""
     rows = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config().vocab_size
     if len(tokenizer) - added > rows:
         fail(f"the tokenizer has {len(tokenizer) - added} tokens but the model in {path!r} embeds only {rows}: tokens "
@@ -116,9 +115,8 @@ def check_vocabulary(tokenizer, path: str, hint: str, trust_remote_code: bool, a
              f"and save it with its tokenizer, or {hint}")
 
 def check_embedding_rows(flag: str, path: str, readers: dict[str, str], trust_remote_code: bool) -> None:
-    """The model at PATH (FLAG) samples from every row of its output layer (config.json's vocab_size, rows that pad
-    the vocabulary included); each model that reads those ids (READERS: flag -> path) must embed them all, or a
-    sampled id past its rows stops the run with an IndexError deep inside it."""
+    """The model at PATH (FLAG) samples from every row of its output layer (config.json's vocab_size, padding rows
+    included): each model that reads those ids (READERS: flag -> path) must embed them all (as check_vocabulary)."""
     def rows(folder):
         return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code).get_text_config().vocab_size
     sampled = rows(path)
@@ -141,10 +139,9 @@ def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: boo
 
 def retokenized(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, tokenizer,
                 other_tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Prompt + response [B, P + R] in TOKENIZER's tokens as a model with OTHER_TOKENIZER reads them: unchanged if it is
-    None (the same tokens); else each prompt and response decoded to text and tokenized again as the stages tokenize
-    their data (EOS appended where the response has one; special tokens not carried over), left- and right-padded
-    again -> (sequences [B, P' + R'], attention_mask, P')."""
+    """Prompt + response [B, P + R] in TOKENIZER's tokens as a model with OTHER_TOKENIZER (None: the same) reads them:
+    each decoded and tokenized again as the stages tokenize their data (EOS where the response has one, no other
+    special token), padded left and right again -> (sequences [B, P' + R'], attention_mask, P')."""
     if other_tokenizer is None:
         return sequences, attention_mask, prompt_len
     prompts, responses = [], []
@@ -199,12 +196,11 @@ def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):
 
 @contextlib.contextmanager
 def gathered(engine, enabled: bool):
-    """Under ZeRO-3, a model's full weights gathered once (one coalesced all-gather) and DeepSpeed's hooks off, so
-    that generating and scoring do not gather them block by block for every token and forward pass (TRL's
-    unwrap_model_for_generation, for no-gradient work). The hooks come back as they were, in their modules' hook
-    tables: registered anew, DeepSpeed would forget the module order it traced, and stop prefetching. Nothing below
-    ZeRO-3. No public API: it uses the hook handles of the parameter coordinator and the engine, torch's hook tables
-    and ds_active_sub_modules (DeepSpeed 0.19.8; test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
+    """Under ZeRO-3, for no-gradient work (TRL's unwrap_model_for_generation): a model's weights gathered whole once (one
+    coalesced all-gather) and DeepSpeed's hooks off, not gathered layer by layer for every token. The hooks come back
+    into their modules' hook tables as they were (registered anew, DeepSpeed would forget the module order it traced
+    and stop prefetching). No public API: the hook handles of the parameter coordinator and the engine, torch's hook
+    tables, ds_active_sub_modules (DeepSpeed 0.19.8; test_gathered_rollout_weights_are_whole_and_hooks_come_back)."""
     if not enabled or engine.zero_optimization_stage() != 3:
         yield
         return
@@ -261,9 +257,9 @@ def adapters_disabled(model):
             layer.enable_adapters(True)
 
 def whole_state_dict(model, zero3: bool, is_main: bool, merge_lora: bool = False) -> dict[str, torch.Tensor]:
-    """MODEL's state dict, whole, in rank 0's CPU memory (is_main; other ranks get {}); with merge_lora, as a plain
-    model's (W + (alpha / r) B A under W's name). Under ZeRO-3 (zero3: every rank takes part) one tensor or adapted
-    layer is gathered at a time: no rank holds more than a layer whole on its device. Tied weights stay one tensor."""
+    """MODEL's state dict, whole, in rank 0's CPU memory (is_main; others get {}); with merge_lora a plain model's (W +
+    (alpha / r) B A under W's name). Under ZeRO-3 (zero3: every rank takes part) one tensor or adapted layer is
+    gathered at a time. Tied weights stay one tensor."""
     state, copies = {}, {}  # copies: each tensor's CPU copy, by identity, which tied names share
     for name, tensor in model.state_dict(keep_vars=True).items():
         gather, saved_name, adapted = [tensor], name, None
@@ -285,12 +281,11 @@ def whole_state_dict(model, zero3: bool, is_main: bool, merge_lora: bool = False
 
 @contextlib.contextmanager
 def aligned_overflow(engines: list, enabled: bool):
-    """Around the engines' step() calls (DeepSpeed-Chat's align_overflow, for its two trained models): in fp16 an
-    optimizer whose gradients overflow skips its step, so the engines could drift apart by a step. At the end of an
-    accumulation, when one overflowed, the others are made to see an overflow for this one step and take DeepSpeed's
-    own skip path (no update, no scheduler step, gradients cleared, the loss scale kept). DeepSpeed 0.19 has no API for
-    it (DeepSpeed-Chat's skip_step and check_overflow(external=True) are gone): the optimizers' private overflow
-    checks are shadowed for one step. Checked with DeepSpeed 0.19.8, ZeRO 0-3 (test_align_overflow_skips_both_steps)."""
+    """Around the engines' step() calls (DeepSpeed-Chat's align_overflow): in fp16 an optimizer whose gradients
+    overflow skips its step, and the engines would drift a step apart. When one overflowed, the others see an
+    overflow for this step and take DeepSpeed's own skip path (no update, no scheduler step, the loss scale kept).
+    No API for it (DeepSpeed-Chat's skip_step is gone): the optimizers' private overflow checks are shadowed for one
+    step (DeepSpeed 0.19.8, ZeRO 0-3; test_align_overflow_skips_both_steps)."""
     if not enabled or not engines[0].is_gradient_accumulation_boundary():
         yield
         return

@@ -77,9 +77,8 @@ def init_distributed(args, zero3: bool) -> torch.device:
         keep_freed_memory()
         if zero3:  # before gloo starts the threads that run the collectives
             one_openmp_thread_for_new_threads()
-        # Plain gloo: DeepSpeed would compile its shared-memory all-reduce (used only by its inference kernels) at a
+        # Plain gloo: DeepSpeed would compile its shared-memory all-reduce (for its inference kernels only) at a
         # machine's first run, a minute, and wait in silence forever on the lock a killed build leaves (detail 40).
-        # A GPU's process group (NCCL) is left as DeepSpeed makes it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # see end_run
@@ -90,8 +89,8 @@ def init_distributed(args, zero3: bool) -> torch.device:
     return torch.device(get_accelerator().device_name(args.local_rank))
 
 def peak_resident_gb() -> float:
-    """This process's peak resident memory, in GB: Linux's VmHWM, this program's own (the ru_maxrss of getrusage and
-    wait4 starts from the peak of the process that spawned it). Elsewhere, getrusage's figure."""
+    """This process's peak resident memory in GB: Linux's VmHWM (getrusage's ru_maxrss starts from the peak of the
+    process that spawned it), elsewhere getrusage's figure."""
     if os.path.exists("/proc/self/status"):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
@@ -99,9 +98,8 @@ def peak_resident_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 def peak_memory_gb() -> dict:
-    """This rank's peak memory so far, in GB: on a GPU, torch's allocated and reserved figures; on a CPU, the process's
-    peak resident memory for both (DeepSpeed's CPU figures are the largest of its own readings of the resident memory,
-    which miss the peaks between them)."""
+    """This rank's peak memory so far, in GB: on a GPU torch's allocated and reserved figures; on a CPU the process's
+    peak resident memory for both (DeepSpeed's CPU figures miss the peaks between its readings)."""
     if get_accelerator().device_name() == "cpu":
         peak = peak_resident_gb()
         return {"max_allocated_gb": peak, "max_reserved_gb": peak}
@@ -115,9 +113,9 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 def keep_freed_memory() -> None:
-    """On a CPU with glibc's malloc: memory freed by a tensor of up to 32 MiB stays in the process for the next one,
-    not faulted in again page by page (1,000 page faults in a generation at the benchmark's shape; 7 with this):
-    mallopt's M_MMAP_THRESHOLD (-3) at its largest, 32 MiB, and M_TRIM_THRESHOLD (-1) at twice that."""
+    """On a CPU with glibc: memory a tensor of up to 32 MiB frees stays for the next one, not faulted in again page by
+    page (a generation at the benchmark's shape: 1,000 faults, 7 with this): mallopt's M_MMAP_THRESHOLD (-3) at its
+    largest, 32 MiB, and M_TRIM_THRESHOLD (-1) at twice that."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt"):
         libc.mallopt(-3, 32 * 2**20)
@@ -125,8 +123,8 @@ def keep_freed_memory() -> None:
 
 def one_openmp_thread_for_new_threads() -> None:
     """On a CPU: threads started from now on (gloo's, which run the collectives) do tensor work on one OpenMP thread,
-    not a team each, more threads than cores (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). Only for ZeRO-3
-    (below it gloo's threads start no team, and a one-rank run took 3% longer with it)."""
+    not a team each (ZeRO-3 on one 2-core rank: 99 s instead of 61 s). Only for ZeRO-3: below it gloo's threads start
+    no team, and a one-rank run took 3% longer with it."""
     torch.get_num_threads()  # this thread takes its count now, before the default for new threads changes
     setter = threading.Thread(target=torch.set_num_threads, args=(1,))
     setter.start()
@@ -163,16 +161,14 @@ def on_rank_0(function):
         raise SystemExit(result[1])
     return result[0]
 
-# What a collective says when a peer is gone: gloo's words, and NCCL's (its DistBackendError "remote process exited
-# or there was a network error", or "internal error" with the socket's "Connection closed by remote peer" as the last
-# error, and the "communicator was aborted" of the collectives after it).
+# What a collective says when a peer is gone: gloo's words, and NCCL's (its DistBackendError's "remote process exited",
+# a socket's "Connection closed by remote peer", and then "communicator was aborted").
 LOST_PEER = ["Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
              "remote process exited", "Connection closed by remote peer", "communicator was aborted"]
 
 def one_line_for_a_lost_rank(launchers, kind, error, trace) -> None:
-    """sys.excepthook of a run of several ranks: a collective that lost its peer (a rank killed, or stopped with its
-    own message) ends this rank with one line instead of gloo's or NCCL's stack trace; if the launcher is gone (a peer
-    of this node left first), watch_launcher's thread says so within a second and ends the rank."""
+    """sys.excepthook of a run of several ranks: a collective that lost its peer ends this rank with one line, not
+    gloo's or NCCL's stack trace; if the launcher is gone, watch_launcher's thread says so first."""
     if not (isinstance(error, RuntimeError) and any(words in str(error) for words in LOST_PEER)):
         return sys.__excepthook__(kind, error, trace)
     if launchers and not launchers_alive(launchers):
@@ -203,8 +199,7 @@ def launchers_alive(launchers: list[tuple[int, str]]) -> bool:
 
 def watch_launcher() -> list[tuple[int, str]]:
     """Exit within seconds when the launcher dies (a killed `deepspeed` or `torchrun` leaves its ranks training): a
-    thread checks each second that every ancestor running this same Python is still there (Linux /proc). Returns
-    them, (pid, start time) each; none for a plain `python` run."""
+    thread checks each second that every ancestor running this Python is there (Linux /proc). Returns them."""
     watched, pid = [], os.getppid()
     while pid > 1 and (process := parent_and_start(pid)) and \
             os.path.realpath(f"/proc/{pid}/exe") == os.path.realpath("/proc/self/exe"):
