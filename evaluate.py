@@ -22,8 +22,6 @@ from typing import Literal
 
 import torch
 import tyro
-from rich.console import Console
-from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import plumbing
@@ -101,10 +99,12 @@ def main(args: Args) -> None:
         plumbing.check_model_folder(path, hint)
     args.metrics_file = training_metrics_file(args)
     check_not_saved_by_ppo(args.reward_model, "--reward-model")
+    plumbing.check_classifier_config(args.reward_model, "--reward-model", args.trust_remote_code)
+    plumbing.check_positions(args.sft_model, args.max_prompt_len + args.max_new_tokens, f"--max-prompt-len "
+                             f"{args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}", args.trust_remote_code)
 
     # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
-    tokenizer = plumbing.load_tokenizer(args.sft_model, "check --sft-model", args.trust_remote_code)
-    tokenizer.padding_side = "left"
+    tokenizer = plumbing.load_generating_tokenizer(args.sft_model, "--sft-model", args.trust_remote_code)
     ppo_tokenizer = plumbing.load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code)
     if ppo_tokenizer.get_vocab() != tokenizer.get_vocab():
         plumbing.fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check "
@@ -143,7 +143,6 @@ def main(args: Args) -> None:
     summary["length_change"] = summary["ppo"]["mean_length"] / summary["sft"]["mean_length"] - 1
 
     sft_summary, ppo_summary = summary["sft"], summary["ppo"]
-    table = Table("", "SFT policy", "PPO policy", title=f"{len(prompts)} held-out prompts of {args.dataset!r} ({args.split})")
     rows = [("mean reward-model score (normalized)", "mean_score", "{:+.3f}"),
             ("win rate of PPO over SFT, by the reward model", "win_rate", "{:.3f}")]
     if args.gold_judge:
@@ -153,10 +152,10 @@ def main(args: Args) -> None:
                  ("Spearman correlation of reward model and gold rule", "spearman_score_gold", "{:.3f}")]
     rows += [("mean KL to the SFT policy (per response)", "mean_kl_to_sft", "{:.2f}"),
              ("mean length (tokens, EOS included)", "mean_length", "{:.1f}")]
-    for name, key, form in rows:
-        table.add_row(name, form.format(sft_summary[key]) if key in sft_summary else "", form.format(ppo_summary[key]))
-    samples = Table("prompt", "SFT", "PPO", title="samples [reward-model score | gold score]" if args.gold_judge
-                    else "samples [reward-model score]", show_lines=True)
+    plumbing.print_table(f"{len(prompts)} held-out prompts of {args.dataset!r} ({args.split})",
+                         ["", "SFT policy", "PPO policy"],
+                         [[name, form.format(sft_summary[key]) if key in sft_summary else "",
+                           form.format(ppo_summary[key])] for name, key, form in rows])
 
     def label(result, i):
         gold = result["gold"][i]
@@ -164,10 +163,10 @@ def main(args: Args) -> None:
             return f"{result['responses'][i]}  [{result['scores'][i]:+.2f}]"
         return f"{result['responses'][i]}  [{result['scores'][i]:+.2f} | {'no parse' if gold is None else f'{gold:+.2f}'}]"
 
-    for i in range(min(args.num_samples, len(prompts))):
-        samples.add_row(tokenizer.decode(prompts[i], skip_special_tokens=True), label(results["sft"], i),
-                        label(results["ppo"], i))
-    Console().print(table, samples)
+    plumbing.print_table("samples [reward-model score | gold score]" if args.gold_judge else
+                         "samples [reward-model score]", ["prompt", "SFT", "PPO"],
+                         [[tokenizer.decode(prompts[i], skip_special_tokens=True), label(results["sft"], i),
+                           label(results["ppo"], i)] for i in range(min(args.num_samples, len(prompts)))])
 
     # The figures are saved before any picture is drawn, so that a failure in plotting never loses them.
     evaluation_file = os.path.join(args.output_dir, "evaluation.json")
@@ -323,7 +322,8 @@ def answer(policy, sft, reward, tokenizer, reward_tokenizer, prompts: list[list[
         prompt_ids, prompt_mask = padded["input_ids"].to(device), padded["attention_mask"].to(device)
         P = prompt_ids.shape[1]
         torch.manual_seed(args.seed + start)  # the same random stream for every policy
-        responses = sample(policy, prompt_ids, prompt_mask, generation_config, synced=False)
+        with plumbing.stop_on(ValueError):  # sample's refusal (logits not finite), as evaluate.py's one line
+            responses = sample(policy, prompt_ids, prompt_mask, generation_config, synced=False)
         # Truncate after the first EOS, as ppo.py does.
         response_mask = rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)
         responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)

@@ -10,14 +10,18 @@ iteration samples responses to a batch of prompts (the rollout), scores them, tu
 per-token rewards and GAE advantages, then takes a few epochs of clipped PPO updates of actor and critic. The math is
 in rlhf_math.py; its docstring shows the layout of one sequence (which position holds which log-prob and value).
 
-Read top down: Args, main with the loop, then the helpers in the order the loop calls them and the four engines. A
-banner then marks where a learner may stop: checks, the output folder and resume, logging and the trace, and
-DeepSpeed-Chat's extras (an EMA of the actor, LoRA, the pretraining mix, fp16 overflow alignment), each off by default.
+Read top down: the algorithm's flags, main with the loop, then the helpers in the order the loop calls them and the
+four engines. A banner then marks where a learner may stop: the other flags, checks, the output folder and resume,
+logging and the trace, and DeepSpeed-Chat's extras (an EMA of the actor, LoRA, the pretraining mix, fp16 overflow
+alignment), each off by default.
 
     python ppo.py                                          # the bundled toy task, a few minutes on a laptop CPU
     deepspeed --num_gpus 2 ppo.py --actor-zero-stage 3     # the same, on 2 ranks, the actor under ZeRO-3
 """
 
+from __future__ import annotations  # Args, the flags that can wait, is defined below the banner
+
+import copy
 import json
 import math
 import os
@@ -30,8 +34,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from rich.console import Console
-from rich.table import Table
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig,
                           get_scheduler)
 from transformers.integrations import HfDeepSpeedConfig
@@ -42,7 +44,11 @@ from plumbing import CountInt, Fraction, NonNegativeFloat, PositiveFloat, Positi
 
 
 @dataclass
-class Args:
+class Algorithm:
+    """PPO-RLHF's hyperparameters, the flags to read first. Args, below the banner, adds those that can wait (models
+    and data, the experiment, scale and memory, the extras, the fields filled in at run time); --help lists them all,
+    in this order."""
+
     # The algorithm: the rollout
     total_episodes: PositiveInt = 4096
     """prompts answered over the whole run; iterations = total_episodes / batch_size"""
@@ -57,7 +63,7 @@ class Args:
     missing_eos_penalty: float | None = None
     """the EOS trick: a response without EOS gets the score -MISSING_EOS_PENALTY, not the reward model's (TRL's)"""
     disable_dropout: bool = True
-    """set every dropout probability of the four models to 0, so that PPO's first ratio is exactly 1"""
+    """set every dropout probability of the four models to 0, so that PPO's first ratio can be exactly 1 (detail 17)"""
 
     # The algorithm: rewards, advantages and the PPO update
     kl_coef: NonNegativeFloat = 0.1
@@ -102,128 +108,6 @@ class Args:
     gradient_clipping: float = 1.0
     """clip each trained model's gradient norm to this (0: no clipping)"""
 
-    # Models and data
-    actor_model_name_or_path: str = "checkpoints/sft"
-    """the SFT model (stage 1): the actor and the reference start from it"""
-    reward_model_name_or_path: str = "checkpoints/reward_model"
-    """the reward model (stage 2), frozen; its score normalized by its config's: (score - reward_mean) / reward_std"""
-    critic_model_name_or_path: str | None = None
-    """where the critic starts; by default the reward model (the actor with a fresh head if it has other tokens)"""
-    dataset: str = "toy_task/data"
-    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder; only prompts are used"""
-    train_split: str = "train"
-    """the split whose prompts are sampled"""
-    prompt_column: str = "prompt"
-    """the column that holds the prompt: text, or {"role", "content"} chat messages (the chat template applies)"""
-    split_conversations: bool = False
-    """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation,
-    and the prompt is its text up to and including the last --assistant-marker"""
-    assistant_marker: str = "\n\nAssistant:"
-    """where the last assistant turn opens in a whole conversation (--split-conversations)"""
-    max_prompt_len: PositiveInt = 32
-    """longest prompt in tokens; longer prompts are dropped (and counted), never truncated"""
-    trust_remote_code: bool = False
-    """allow models and tokenizers whose code comes with their hub repository"""
-
-    # Experiment, logging and checkpoints
-    exp_name: str = "ppo"
-    """the name of this experiment, the first part of the run name"""
-    seed: Seed = 1
-    """seed of the experiment (prompt order, sampling)"""
-    output_dir: str = "checkpoints/ppo"
-    """where the actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/)"""
-    track: bool = False
-    """log to Weights & Biases (tensorboard logs and metrics.jsonl are always written to runs/RUN_NAME/)"""
-    wandb_project_name: str = "ppo-rlhf"
-    """the wandb project, with --track"""
-    sample_every: CountInt = 10
-    """print a table of a few prompts, responses and scores every this many iterations (0: never)"""
-    save_every: CountInt = 0
-    """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
-    trace_every: CountInt = 0
-    """every this many iterations, print one response token by token with each RL quantity the loop computed for it
-    (docs/algorithm.md, "One response, position by position") and append it to runs/RUN_NAME/trace.jsonl (0: never)"""
-    trace_response: Literal["stopped", "cut"] = "stopped"
-    """the response --trace-every shows: the first that stopped with EOS (and padding), or the first cut at the limit"""
-    snapshot_every: CountInt = 0
-    """save the actor in OUTPUT_DIR/snapshots/iteration_N every this many iterations and the last (0: never), for
-    evaluate.py's picture of reward-model and gold scores along training"""
-    resume: bool = False
-    """continue the unfinished run in OUTPUT_DIR from its latest checkpoint with its settings: only how it is saved,
-    logged, sampled or laid out in memory may change (RESUME_MAY_CHANGE)"""
-    overwrite: bool = False
-    """write into a non-empty --output-dir that ppo.py did not write, or over an unfinished run's checkpoints there"""
-
-    # Scale and memory: DeepSpeed, precision, the sampler
-    per_device_train_batch_size: PositiveInt = 16
-    """sequences per rank per forward pass, in the rollout's scoring and the update (accumulated to a mini-batch)"""
-    actor_zero_stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage of the actor (the reference follows: ZeRO-3 if the actor is, else 0)"""
-    critic_zero_stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage of the critic (the reward model follows: ZeRO-3 if the critic is, else 0)"""
-    offload: bool = False
-    """offload the optimizer states (and, at ZeRO-3, the parameters) of actor and critic to CPU memory"""
-    offload_reference_model: bool = False
-    """keep the reference model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the actor's stage)"""
-    offload_reward_model: bool = False
-    """keep the reward model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the critic's stage)"""
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """precision of all four models; fp16 needs a GPU"""
-    actor_gradient_checkpointing: bool = False
-    """recompute the actor's activations in the backward pass: less memory, about a third more compute"""
-    critic_gradient_checkpointing: bool = False
-    """the same for the critic"""
-    gather_weights_for_rollout: bool = True
-    """under ZeRO-3, gather each model's weights whole once per rollout, not layer by layer at every token and forward
-    pass (--no-gather-weights-for-rollout for models too large for one device)"""
-    sampler: Literal["eager", "static"] = "eager"
-    """eager: `sample`; static: fast_sampling.py's, a GPU speed option that keeps a whole copy of the actor and a
-    static key-value cache on every device for the whole run (docs/scaling.md)"""
-    local_rank: int = -1
-    """this process's rank on its node, passed by the deepspeed launcher"""
-
-    # DeepSpeed-Chat's extras, each off by default: an EMA of the actor, LoRA, the pretraining mix, overflow alignment
-    enable_ema: bool = False
-    """keep an exponential moving average of the actor's weights, saved as OUTPUT_DIR/actor_ema"""
-    ema_decay: Fraction = 0.992
-    """the EMA's decay per actor optimizer step: ema = decay * ema + (1 - decay) * actor"""
-    actor_lora_dim: CountInt = 0
-    """rank r of the LoRA adapters added to the actor's linear layers (0: no LoRA)"""
-    critic_lora_dim: CountInt = 0
-    """rank r of the LoRA adapters added to the critic's linear layers (0: no LoRA)"""
-    lora_alpha: PositiveFloat = 16.0
-    """LoRA's alpha: an adapter adds (alpha / r) B A to its layer's weight"""
-    lora_target_modules: str = "all-linear"
-    """the layers that get adapters: peft's "all-linear" (all but the output head), or a regex of full module names"""
-    actor_lora_learning_rate: PositiveFloat = 5e-4
-    """learning rate of the actor's adapters (the rest of the actor keeps --actor-learning-rate)"""
-    critic_lora_learning_rate: PositiveFloat = 5e-4
-    """learning rate of the critic's adapters"""
-    only_optimize_lora: bool = False
-    """train only the adapters; the reference model is then the actor with its adapters off, one model less"""
-    unsup_dataset: str | None = None
-    """plain text for InstructGPT's pretraining mix (PPO-ptx): a hub data set or a local file (toy_task/pretrain.txt)"""
-    unsup_dataset_config: str | None = None
-    """the hub data set's configuration name, if it has several (e.g. wikitext-2-raw-v1)"""
-    unsup_text_column: str = "text"
-    """the column that holds the text"""
-    unsup_coef: NonNegativeFloat = 27.8
-    """gamma, the weight of the language-modelling loss on the plain text (InstructGPT's 27.8)"""
-    align_overflow: bool = False
-    """fp16 only: when the actor's or the critic's loss scaler overflows, both skip the step"""
-
-    # Filled in at runtime
-    world_size: int = 0
-    """number of ranks"""
-    batch_size: int = 0
-    """episodes per iteration: per_device_rollout_batch_size x world_size"""
-    per_device_mini_batch_size: int = 0
-    """sequences per rank per optimizer step"""
-    gradient_accumulation_steps: int = 0
-    """forward passes per optimizer step"""
-    num_iterations: int = 0
-    """PPO iterations (rollout + update) in the whole run"""
-
 
 def main(args: Args) -> None:
     """Stage 3: PPO of the SFT model against the reward model, then the actor and the critic saved."""
@@ -242,10 +126,12 @@ def main(args: Args) -> None:
         args.per_device_mini_batch_size, args.per_device_train_batch_size,
         "rollout batch per mini-batch / --per-device-train-batch-size")
 
-    # The output folder claimed before anything loads, and the run: a new one, or the one that --resume continues.
+    # The models checked, then the output folder claimed before anything loads, and the run: a new one, or the one
+    # that --resume continues.
+    tokenizer, reward_tokenizer, reward_config = check_models(args, is_main)
     run = plumbing.on_rank_0(lambda: new_or_resumed_run(args))
+    check_normalization(reward_config, run["inputs"]["--actor-model-name-or-path"], args)
     saved_by = {"script": "ppo.py", "run_name": run["run_name"], "metrics_file": run["metrics_file"]}
-    tokenizer, reward_tokenizer = check_models(args, run["inputs"], is_main)
     prompts = plumbing.load_prompts(tokenizer, args.dataset, args.train_split, args.prompt_column, args.max_prompt_len,
                                     is_main, args.assistant_marker if args.split_conversations else None)
     if len(prompts) < args.batch_size:
@@ -294,7 +180,8 @@ def main(args: Args) -> None:
             with plumbing.gathered(actor, args.gather_weights_for_rollout):
                 # 1. Generate: sample a response to every prompt from the current policy pi_theta, [B, R].
                 actor.eval()  # in train mode, gradient checkpointing would switch the key-value cache off
-                responses = sample_rollout(actor.module, prompt_ids, prompt_mask, generation_config, synced)
+                with plumbing.stop_on(ValueError):  # sample's refusal (logits not finite), as the run's one line
+                    responses = sample_rollout(actor.module, prompt_ids, prompt_mask, generation_config, synced)
                 actor.train()
                 generation_time = time.time() - rollout_start
                 # 2. Truncate after the stop token: response_mask is 1 up to and including the first EOS, then pad.
@@ -444,10 +331,11 @@ def score_normalization(config) -> tuple[float, float]:
 
 def sampling_config(tokenizer, max_new_tokens: int, temperature: float) -> GenerationConfig:
     """Plain multinomial sampling from the temperature-scaled policy, the distribution whose log-probs are computed
-    (detail 3); the pad token suppressed: a pad sampled inside a response would break every mask built from padding."""
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
-                            top_p=1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            suppress_tokens=[tokenizer.pad_token_id])
+    (detail 3); the pad token suppressed: a pad sampled inside a response would break every mask built from padding.
+    Pasted alone it needs `from transformers import GenerationConfig`."""
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            suppress_tokens=None if tokenizer.pad_token_id is None else [tokenizer.pad_token_id])
 
 def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -> list:
     """This rank's share of an iteration's prompts. The prompts are shuffled once per pass over the data set, by a
@@ -457,20 +345,19 @@ def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -
     first = (iteration % batches_per_pass) * args.batch_size + rank * args.per_device_rollout_batch_size
     return [prompts[i] for i in order[first : first + args.per_device_rollout_batch_size]]
 
-# GenerationConfig's fields that would reshape the distribution generate samples from, and the values that do not.
-PLAIN_SAMPLING = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "typical_p": (None, 1.0),
-                  "min_new_tokens": (None, 0), "repetition_penalty": (None, 1.0)}
-
-def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool) -> torch.Tensor:
+def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool = False) -> torch.Tensor:
     """model.generate(generation_config=config) written out, the same tokens from the same seed (test_ppo): a_t ~
-    softmax(logits / tau) with the key-value cache. [B, P] -> [B, max_new_tokens], pad after each EOS, stopped early
-    once all have (on every rank if synced). A config that reshapes the distribution is refused (PLAIN_SAMPLING)."""
-    reshaping = [f"{name}={getattr(config, name)!r}" for name, plain in PLAIN_SAMPLING.items()
-                 if getattr(config, name, None) not in plain]
-    if reshaping:
-        plumbing.fail(f"the generation config asks for {', '.join(reshaping)}: PPO's log-probs are those of plain "
-                      "sampling from softmax(logits / temperature), and would not be the sampling distribution's")
-    temperature = 1.0 if config.temperature is None else config.temperature
+    softmax(z / temperature) with do_sample, else argmax z, z the next-token logits, with the key-value cache. [B, P]
+    left-padded prompts -> [B, max_new_tokens], pad after each EOS (one id, a list or none), stopped early once all
+    have stopped (synced: on every rank, as ZeRO-3 gathers each layer on all ranks). What config leaves unset comes
+    from the model's generation_config, as in generate; a config that sample does not follow (generation_settings), or
+    logits that are not finite, raise ValueError with one line. Pasted alone it needs `import copy`, `import math`,
+    `import torch`, `import torch.distributed as dist`, `from transformers import GenerationConfig`,
+    generation_settings, NOT_FOLLOWED, PLAIN_SAMPLING and position_ids_from."""
+    config = generation_settings(model, config)
+    temperature = 1.0 if config.temperature is None or not config.do_sample else config.temperature
+    eos = torch.tensor([config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id or [],
+                       dtype=torch.long, device=prompt_ids.device)
     cache, attention_mask, position_ids, tokens = None, prompt_mask, position_ids_from(prompt_mask), prompt_ids
     running, responses = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device), []  # no EOS yet
     for _ in range(config.max_new_tokens):
@@ -478,54 +365,96 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
                     use_cache=True, logits_to_keep=1)
         z = out.logits[:, -1].float() / temperature
         if not torch.isfinite(z).all():  # else torch.multinomial fails, with a message that names no cause
-            plumbing.fail("the policy's next-token logits are not finite (inf or nan) while sampling: check the model "
-                          "and --temperature, or lower the learning rates")
+            raise ValueError("the policy's next-token logits are not finite (inf or nan) while sampling: check the "
+                             "model and --temperature, or lower the learning rates")
         z[:, config.suppress_tokens or []] = -math.inf
-        tokens = torch.where(running.unsqueeze(1), torch.multinomial(torch.softmax(z, dim=-1), 1), config.pad_token_id)
+        drawn = torch.multinomial(torch.softmax(z, dim=-1), 1) if config.do_sample else z.argmax(dim=-1, keepdim=True)
+        tokens = torch.where(running.unsqueeze(1), drawn, config.pad_token_id)
         responses.append(tokens)
-        running &= tokens.squeeze(1) != config.eos_token_id
-        # Synced (ZeRO-3 all-gathers each layer for every token), a rank that stopped alone would leave others waiting.
-        if (plumbing.sum_over_ranks({"running": running.sum()})["running"] if synced else running.sum()) == 0:
+        running &= ~torch.isin(tokens.squeeze(1), eos)
+        still_running = running.sum()
+        if synced:  # ZeRO-3 gathers each layer for every token: a rank that stopped alone would leave others waiting
+            dist.all_reduce(still_running)
+        if still_running == 0:
             break
         cache = getattr(out, "cache", None)
         if cache is None:  # a model that ignores transformers' `cache` would go on from the last token alone
-            plumbing.fail(f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` "
-                          "argument, which ppo.py samples with: upgrade transformers, or use one of its own models")
+            raise ValueError(f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` "
+                             "argument, which sample uses: upgrade transformers, or use one of its own models")
         attention_mask, position_ids = torch.cat([attention_mask, torch.ones_like(tokens)], 1), position_ids[:, -1:] + 1
     responses = torch.cat(responses, dim=1)
     return torch.nn.functional.pad(responses, (0, config.max_new_tokens - responses.shape[1]),
                                    value=config.pad_token_id)
 
+# The settings of a GenerationConfig with which generate would draw other tokens than `sample`, each with the value at
+# which it does nothing (as unset). PLAIN_SAMPLING's act with do_sample only (PPO's log-probs would not be those of the
+# distribution sampled); there an unset top_k is generate's top-50.
+NOT_FOLLOWED = {"num_beams": 1, "num_return_sequences": 1, "min_length": 0, "min_new_tokens": 0,
+                "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "guidance_scale": 1.0, "bad_words_ids": None,
+                "sequence_bias": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+                "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "stop_strings": None,
+                "max_time": None, "penalty_alpha": None, "dola_layers": None, "watermarking_config": None}
+PLAIN_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                  "top_h": None}
+
+def generation_settings(model, config: GenerationConfig) -> GenerationConfig:
+    """A copy of CONFIG as generate reads it, what it leaves unset taken from the model's generation_config; a
+    ValueError with one line if it sets no max_new_tokens or pad_token_id, or a setting of NOT_FOLLOWED (with
+    do_sample, of PLAIN_SAMPLING) that acts. Pasted alone it needs `import copy`, `from transformers import
+    GenerationConfig`, NOT_FOLLOWED and PLAIN_SAMPLING."""
+    config = copy.deepcopy(config)
+    if getattr(model, "generation_config", None) is not None:
+        config.update(**model.generation_config.to_dict(), defaults_only=True)
+    for needed in ("max_new_tokens", "pad_token_id"):  # else generate would stop at max_length, or pad with EOS
+        if getattr(config, needed) is None:
+            raise ValueError(f"neither the generation config nor the model's sets {needed}, which sample needs")
+    if config.do_sample and config.top_k is None:
+        config.top_k = 50  # transformers' default, which generate samples with
+    acting = [f"{name}={getattr(config, name, None)!r}" for name, neutral in
+              {**NOT_FOLLOWED, **(PLAIN_SAMPLING if config.do_sample else {})}.items()
+              if getattr(config, name, None) not in (None, neutral)]
+    if acting:
+        raise ValueError(f"generate would use {', '.join(acting)} (from the config, the model's generation_config or "
+                         "transformers' defaults), which sample does not follow: it draws from softmax(logits / "
+                         "temperature), or takes the argmax without do_sample")
+    return config
+
 def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
-    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, joined: one's memory."""
+    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, joined: one's memory.
+    Pasted alone it needs `import torch`."""
     return torch.cat([function(model, sequences[i : i + size], attention_mask[i : i + size], *args)
                       for i in range(0, len(sequences), size)])
 
 def response_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                       temperature: float) -> torch.Tensor:
-    """log pi(a_t | s_t) of every response token, at the sampling temperature: [B, P + R] sequences -> [B, R]."""
+    """log pi(a_t | s_t) of every response token, at the sampling temperature: [B, P + R] sequences -> [B, R].
+    Pasted alone it needs `import torch`, `import rlhf_math`, response_logits and position_ids_from."""
     logits = response_logits(model, sequences, attention_mask, prompt_len)
     return rlhf_math.logprobs_from_logits(logits, sequences[:, prompt_len:], temperature)
 
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """The logits that predict each response token: [B, P + R] sequences -> [B, R, V]. Those at position P - 1 + t
-    predict the token at P + t; only positions P - 1 to P + R - 1 go through the output layer (logits_to_keep)."""
+    predict the token at P + t; only positions P - 1 to P + R - 1 go through the output layer (logits_to_keep).
+    Pasted alone it needs `import torch` and position_ids_from."""
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
                 use_cache=False, logits_to_keep=sequences.shape[1] - prompt_len + 1)
     return out.logits[:, :-1]
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses."""
+    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses.
+    Pasted alone it needs `import torch`."""
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 def critic_values(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
                   std: float) -> torch.Tensor:
     """V(s_t) for every response token: the critic's head at position P - 1 + t, the last token of the state before
-    a_t, on the normalized reward scale ((output - mean) / std, as the scores). [B, P + R] -> [B, R]."""
+    a_t, on the normalized reward scale ((output - mean) / std, as the scores). [B, P + R] -> [B, R]. Pasted alone it
+    needs `import torch`, head_at_every_position and position_ids_from."""
     return (head_at_every_position(model, sequences, attention_mask)[:, prompt_len - 1 : -1] - mean) / std
 
 def head_at_every_position(model, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """A sequence classifier's scalar head applied at every position instead of only the last: [B, T] -> [B, T]."""
+    """A sequence classifier's scalar head applied at every position instead of only the last: [B, T] -> [B, T].
+    Pasted alone it needs `import torch` and position_ids_from."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=sequences, attention_mask=attention_mask,
                       position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
@@ -585,12 +514,15 @@ def zero_stages(args: Args) -> dict[str, int]:
             "reference": 3 if args.actor_zero_stage == 3 or args.offload_reference_model else 0,
             "reward": 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0}
 
-def critic_start(args: Args, reward_tokenizer) -> str:
-    """Where the critic starts (detail 23): --critic-model-name-or-path, else the reward model; the critic reads the
-    actor's tokens, so with a reward model of another tokenizer (reward_tokenizer), the actor, with a fresh head."""
+def critic_start(args: Args, reward_tokenizer) -> tuple[str, str]:
+    """Where the critic starts (detail 23), and the flag that names it: --critic-model-name-or-path, else the reward
+    model; the critic reads the actor's tokens, so with a reward model of another tokenizer (reward_tokenizer), the
+    actor, with a fresh head."""
     if args.critic_model_name_or_path:
-        return args.critic_model_name_or_path
-    return args.actor_model_name_or_path if reward_tokenizer else args.reward_model_name_or_path
+        return args.critic_model_name_or_path, "--critic-model-name-or-path"
+    if reward_tokenizer:
+        return args.actor_model_name_or_path, "--actor-model-name-or-path"
+    return args.reward_model_name_or_path, "--reward-model-name-or-path"
 
 def build_engines(args: Args, reward_tokenizer):
     """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
@@ -604,8 +536,8 @@ def build_engines(args: Args, reward_tokenizer):
     reference = actor if args.only_optimize_lora else init_engine(
         AutoModelForCausalLM, args.actor_model_name_or_path, "--actor-model-name-or-path",
         deepspeed_config(zero_stages(args)["reference"], False, args.offload_reference_model, args), args)
-    critic_path = critic_start(args, reward_tokenizer)
-    critic = init_engine(AutoModelForSequenceClassification, critic_path, "--critic-model-name-or-path",
+    critic_path, critic_flag = critic_start(args, reward_tokenizer)
+    critic = init_engine(AutoModelForSequenceClassification, critic_path, critic_flag,
                          deepspeed_config(args.critic_zero_stage, True, args.offload, args), args,
                          args.critic_learning_rate, args.critic_gradient_checkpointing, args.critic_lora_dim,
                          args.critic_lora_learning_rate)
@@ -613,14 +545,14 @@ def build_engines(args: Args, reward_tokenizer):
                          "--reward-model-name-or-path",
                          deepspeed_config(zero_stages(args)["reward"], False, args.offload_reward_model, args), args)
     check_score_head(reward.module, args.reward_model_name_or_path, "--reward-model-name-or-path")
-    check_score_head(critic.module, critic_path, "--critic-model-name-or-path")
+    check_score_head(critic.module, critic_path, critic_flag)
     # Each weights file is checked once: the reference (and the EMA) load the actor's, and the critic, unless
     # --critic-model-name-or-path is set, the reward model's.
     plumbing.check_finite_weights(actor.module, f"model {args.actor_model_name_or_path!r} (--actor-model-name-or-path)")
     plumbing.check_finite_weights(reward.module,
                                   f"model {args.reward_model_name_or_path!r} (--reward-model-name-or-path)")
     if critic_path != args.reward_model_name_or_path:
-        plumbing.check_finite_weights(critic.module, f"model {critic_path!r} (--critic-model-name-or-path)")
+        plumbing.check_finite_weights(critic.module, f"model {critic_path!r} ({critic_flag})")
     ema = init_ema(actor, args) if args.enable_ema else None
     return actor, reference, critic, reward, ema
 
@@ -653,13 +585,10 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
     # Loaded in the engine's precision, not the checkpoint's (transformers would keep an fp16 one in fp16).
     dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float16 if ds_config["fp16"]["enabled"] \
         else torch.float32
-    # A critic from a causal LM (the actor, when the reward model reads other tokens) gets a fresh 1-label head; a
-    # reward model, frozen, must bring its trained one.
+    # A critic from a causal LM (the actor, when the reward model reads other tokens) gets a fresh 1-label head (a
+    # reward model must bring its trained one: check_models).
     new_head = model_class is AutoModelForSequenceClassification and \
         any(name.endswith("ForCausalLM") for name in config.architectures or [])
-    if new_head and learning_rate is None:
-        plumbing.fail(f"{path!r} is a causal language model, not a reward model: its score head would start random; "
-                      f"name a folder that reward_model.py wrote ({flag})")
     if new_head:
         config.num_labels = 1
         if dist.get_rank() == 0:
@@ -674,12 +603,7 @@ def init_engine(model_class, path: str, flag: str, ds_config: dict, args: Args, 
         return plumbing.initialize_engine(model, ds_config)
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    # Two parameter groups: the model's own weights and, with LoRA, its adapters with their own learning rate.
-    groups = [{"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n],
-               "lr": learning_rate},
-              {"params": [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n],
-               "lr": lora_learning_rate}]
-    optimizer = plumbing.adamw([group for group in groups if group["params"]], learning_rate, args.weight_decay)
+    optimizer = plumbing.adamw(model, learning_rate, args.weight_decay, lora_learning_rate)  # LoRA's at its own rate
     num_steps = args.num_iterations * args.num_ppo_epochs * args.num_mini_batches
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=num_steps)
     return plumbing.initialize_engine(model, ds_config, optimizer, scheduler)
@@ -692,9 +616,136 @@ def check_score_head(model, path: str, flag: str) -> None:
 
 
 # ===============================================================================================================
-# A learner may stop here. The rest keeps a run safe and visible: the checks that stop it with one line, its output
-# folder and --resume, its logging and trace, and DeepSpeed-Chat's extras, each off by default.
+# A learner may stop here. The rest keeps a run safe and visible: the flags that are not the algorithm's, the checks
+# that stop it with one line, its output folder and --resume, its logging and trace, and DeepSpeed-Chat's extras.
 # ===============================================================================================================
+
+
+# --- The flags that can wait, after the algorithm's (Algorithm, at the top); --help lists them in this order. ---
+@dataclass
+class Args(Algorithm):
+    # Models and data
+    actor_model_name_or_path: str = "checkpoints/sft"
+    """the SFT model (stage 1): the actor and the reference start from it"""
+    reward_model_name_or_path: str = "checkpoints/reward_model"
+    """the reward model (stage 2), frozen; its score normalized by its config's: (score - reward_mean) / reward_std"""
+    critic_model_name_or_path: str | None = None
+    """where the critic starts; by default the reward model (the actor with a fresh head if it has other tokens)"""
+    dataset: str = "toy_task/data"
+    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder; only prompts are used"""
+    train_split: str = "train"
+    """the split whose prompts are sampled"""
+    prompt_column: str = "prompt"
+    """the column that holds the prompt: text, or {"role", "content"} chat messages (the chat template applies)"""
+    split_conversations: bool = False
+    """the hh-rlhf layout: each cell of --prompt-column (pass --prompt-column chosen) holds the whole conversation,
+    and the prompt is its text up to and including the last --assistant-marker"""
+    assistant_marker: str = "\n\nAssistant:"
+    """where the last assistant turn opens in a whole conversation (--split-conversations)"""
+    max_prompt_len: PositiveInt = 32
+    """longest prompt in tokens; longer prompts are dropped (and counted), never truncated"""
+    trust_remote_code: bool = False
+    """allow models and tokenizers whose code comes with their hub repository"""
+
+    # Experiment, logging and checkpoints
+    exp_name: str = "ppo"
+    """the name of this experiment, the first part of the run name"""
+    seed: Seed = 1
+    """seed of the experiment (prompt order, sampling)"""
+    output_dir: str = "checkpoints/ppo"
+    """where the actor and critic are saved (actor/, critic/), and the checkpoints for --resume (resume/)"""
+    track: bool = False
+    """log to Weights & Biases (tensorboard logs and metrics.jsonl are always written to runs/RUN_NAME/)"""
+    wandb_project_name: str = "ppo-rlhf"
+    """the wandb project, with --track"""
+    sample_every: CountInt = 10
+    """print a table of a few prompts, responses and scores every this many iterations (0: never)"""
+    save_every: CountInt = 0
+    """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
+    trace_every: CountInt = 0
+    """every this many iterations, print one response token by token with each RL quantity the loop computed for it
+    (docs/algorithm.md, "One response, position by position") and append it to runs/RUN_NAME/trace.jsonl (0: never)"""
+    trace_response: Literal["stopped", "cut"] = "stopped"
+    """the response --trace-every shows: the first that stopped with EOS (the limit's last token may be it), or the
+    first cut at the limit"""
+    snapshot_every: CountInt = 0
+    """save the actor in OUTPUT_DIR/snapshots/iteration_N every this many iterations and the last (0: never), for
+    evaluate.py's picture of reward-model and gold scores along training"""
+    resume: bool = False
+    """continue the unfinished run in OUTPUT_DIR from its latest checkpoint with its settings: only how it is saved,
+    logged, sampled or laid out in memory may change (RESUME_MAY_CHANGE)"""
+    overwrite: bool = False
+    """write into a non-empty --output-dir that ppo.py did not write, or over an unfinished run's checkpoints there"""
+
+    # Scale and memory: DeepSpeed, precision, the sampler
+    per_device_train_batch_size: PositiveInt = 16
+    """sequences per rank per forward pass, in the rollout's scoring and the update (accumulated to a mini-batch)"""
+    actor_zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage of the actor (the reference follows: ZeRO-3 if the actor is, else 0)"""
+    critic_zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage of the critic (the reward model follows: ZeRO-3 if the critic is, else 0)"""
+    offload: bool = False
+    """offload the optimizer states (and, at ZeRO-3, the parameters) of actor and critic to CPU memory"""
+    offload_reference_model: bool = False
+    """keep the reference model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the actor's stage)"""
+    offload_reward_model: bool = False
+    """keep the reward model's parameters in CPU memory (ZeRO-3 parameter offload, whatever the critic's stage)"""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """precision of all four models; fp16 needs a GPU"""
+    actor_gradient_checkpointing: bool = False
+    """recompute the actor's activations in the backward pass: less memory, about a third more compute"""
+    critic_gradient_checkpointing: bool = False
+    """the same for the critic"""
+    gather_weights_for_rollout: bool = True
+    """under ZeRO-3, gather each model's weights whole once per rollout, not layer by layer at every token and forward
+    pass (--no-gather-weights-for-rollout for models too large for one device)"""
+    sampler: Literal["eager", "static"] = "eager"
+    """eager: `sample`; static: fast_sampling.py's, a GPU speed option that keeps a whole copy of the actor and a
+    static key-value cache on every device for the whole run (docs/scaling.md)"""
+    local_rank: int = -1
+    """this process's rank on its node, passed by the deepspeed launcher"""
+
+    # DeepSpeed-Chat's extras, each off by default: an EMA of the actor, LoRA, the pretraining mix, overflow alignment
+    enable_ema: bool = False
+    """keep an exponential moving average of the actor's weights, saved as OUTPUT_DIR/actor_ema"""
+    ema_decay: Fraction = 0.992
+    """the EMA's decay per actor optimizer step: ema = decay * ema + (1 - decay) * actor"""
+    actor_lora_dim: CountInt = 0
+    """rank r of the LoRA adapters added to the actor's linear layers (0: no LoRA)"""
+    critic_lora_dim: CountInt = 0
+    """rank r of the LoRA adapters added to the critic's linear layers (0: no LoRA)"""
+    lora_alpha: PositiveFloat = 16.0
+    """LoRA's alpha: an adapter adds (alpha / r) B A to its layer's weight"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get adapters: peft's "all-linear" (all but the output head), or a regex of full module names"""
+    actor_lora_learning_rate: PositiveFloat = 5e-4
+    """learning rate of the actor's adapters (the rest of the actor keeps --actor-learning-rate)"""
+    critic_lora_learning_rate: PositiveFloat = 5e-4
+    """learning rate of the critic's adapters"""
+    only_optimize_lora: bool = False
+    """train only the adapters; the reference model is then the actor with its adapters off, one model less"""
+    unsup_dataset: str | None = None
+    """plain text for InstructGPT's pretraining mix (PPO-ptx): a hub data set or a local file (toy_task/pretrain.txt)"""
+    unsup_dataset_config: str | None = None
+    """the hub data set's configuration name, if it has several (e.g. wikitext-2-raw-v1)"""
+    unsup_text_column: str = "text"
+    """the column that holds the text"""
+    unsup_coef: NonNegativeFloat = 27.8
+    """gamma, the weight of the language-modelling loss on the plain text (InstructGPT's 27.8)"""
+    align_overflow: bool = False
+    """fp16 only: when the actor's or the critic's loss scaler overflows, both skip the step"""
+
+    # Filled in at runtime
+    world_size: int = 0
+    """number of ranks"""
+    batch_size: int = 0
+    """episodes per iteration: per_device_rollout_batch_size x world_size"""
+    per_device_mini_batch_size: int = 0
+    """sequences per rank per optimizer step"""
+    gradient_accumulation_steps: int = 0
+    """forward passes per optimizer step"""
+    num_iterations: int = 0
+    """PPO iterations (rollout + update) in the whole run"""
 
 
 # --- Checks of the arguments, models and numbers: a mistake stops the run with one line that says what to fix. ---
@@ -717,41 +768,37 @@ def check_args(args: Args) -> None:
         import fast_sampling
         fast_sampling.check_args(args)
 
-def check_models(args: Args, identities: dict, is_main: bool):
-    """The model folders and tokenizers, checked before any model loads (IDENTITIES: their content's, start_run's):
-    the actor's tokenizer (left padding), and the reward model's if it is another (else None)."""
+def check_models(args: Args, is_main: bool):
+    """The model folders, configs and tokenizers, checked before the output folder is claimed and any model loads.
+    Returns the actor's tokenizer (left padding), the reward model's if it is another (else None), and its config."""
     plumbing.check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
     plumbing.check_model_folder(args.reward_model_name_or_path,
                                 "run reward_model.py first or check --reward-model-name-or-path")
-    tokenizer = plumbing.load_tokenizer(args.actor_model_name_or_path, "check --actor-model-name-or-path",
-                                        args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        plumbing.fail(f"the tokenizer of {args.actor_model_name_or_path!r} needs a pad token distinct from EOS; "
-                      "a model saved by sft.py has one")
+    tokenizer = plumbing.load_generating_tokenizer(args.actor_model_name_or_path, "--actor-model-name-or-path",
+                                                   args.trust_remote_code)
     check_not_saved_by_ppo(args.reward_model_name_or_path, "--reward-model-name-or-path")
     reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model_name_or_path, "check "
                                                      "--reward-model-name-or-path", tokenizer, args.trust_remote_code)
-    critic_path = critic_start(args, reward_tokenizer)
-    plumbing.check_model_folder(critic_path, "run reward_model.py first or check --critic-model-name-or-path")
-    for path, flag, path_tokenizer in [(args.actor_model_name_or_path, "actor", tokenizer), (critic_path, "critic",
-                                       tokenizer), (args.reward_model_name_or_path, "reward", reward_tokenizer)]:
-        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check --{flag}-model-name-or-path",
-                                  args.trust_remote_code)
+    critic_path, critic_flag = critic_start(args, reward_tokenizer)
+    plumbing.check_model_folder(critic_path, f"run reward_model.py first or check {critic_flag}")
+    for path, flag, path_tokenizer in [(args.actor_model_name_or_path, "--actor-model-name-or-path", tokenizer),
+                                       (critic_path, critic_flag, tokenizer), (args.reward_model_name_or_path,
+                                                                              "--reward-model-name-or-path",
+                                                                              reward_tokenizer)]:
+        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
     # The reference and the critic (and the reward model, in the actor's tokens) read the ids the actor samples.
     readers = {"--reward-model-name-or-path": args.reward_model_name_or_path} if reward_tokenizer is None else {}
     plumbing.check_embedding_rows("--actor-model-name-or-path", args.actor_model_name_or_path,
-                                  {**readers, "--critic-model-name-or-path": critic_path}, args.trust_remote_code)
+                                  {**readers, critic_flag: critic_path}, args.trust_remote_code)
     if reward_tokenizer and is_main:
         print("the reward model has another tokenizer than the actor: every prompt + response is decoded to text and "
               f"tokenized again for it; the critic starts from {critic_path!r}")
-    actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
-    if args.max_prompt_len + args.max_new_tokens > getattr(actor_config, "max_position_embeddings", float("inf")):
-        plumbing.fail(f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens} is longer "
-                      f"than the model's {actor_config.max_position_embeddings} positions; lower them")
-    reward_config = AutoConfig.from_pretrained(args.reward_model_name_or_path, trust_remote_code=args.trust_remote_code)
-    check_normalization(reward_config, identities["--actor-model-name-or-path"], args)
-    return tokenizer, reward_tokenizer
+    plumbing.check_positions(args.actor_model_name_or_path, args.max_prompt_len + args.max_new_tokens,
+                             f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}",
+                             args.trust_remote_code)
+    reward_config = plumbing.check_classifier_config(args.reward_model_name_or_path, "--reward-model-name-or-path",
+                                                     args.trust_remote_code)
+    return tokenizer, reward_tokenizer, reward_config
 
 def check_not_saved_by_ppo(path: str, flag: str) -> None:
     """A folder that ppo.py saved (an actor or a critic: its training_run.json says so) is no reward model, though a
@@ -917,11 +964,9 @@ def log_iteration(metrics: dict, iteration: int, writer, metrics_file, tokenizer
           f"rollout {metrics['time/rollout']:.1f}s, update {metrics['time/update']:.1f}s")
     if args.sample_every and (iteration + 1) % args.sample_every == 0:
         prompt_ids, responses, scores = samples
-        table = Table("prompt", "response", "score", title=f"iteration {iteration + 1}", show_lines=True)
-        for i in range(min(4, len(prompt_ids))):
-            table.add_row(tokenizer.decode(prompt_ids[i], skip_special_tokens=True),
-                          tokenizer.decode(responses[i], skip_special_tokens=True), f"{scores[i].item():+.2f}")
-        Console().print(table)
+        plumbing.print_table(f"iteration {iteration + 1}", ["prompt", "response", "score"], [
+            [*tokenizer.batch_decode([prompt_ids[i], responses[i]], skip_special_tokens=True),
+             f"{scores[i].item():+.2f}"] for i in range(min(4, len(prompt_ids)))])
 
 def trace_response(iteration: int, tokenizer, first_logprobs, rollout: dict, run: dict, args: Args) -> None:
     """--trace-every: one response of the ROLLOUT (all the loop computed) position by position, printed and appended
@@ -931,10 +976,10 @@ def trace_response(iteration: int, tokenizer, first_logprobs, rollout: dict, run
                "advantage": "gae_advantages", "whitened": "advantages", "return": "returns"}
     seen = first_logprobs.isfinite().any(dim=1)  # none when the update reused the last valid batch
     pool = seen if seen.any() else torch.ones_like(seen)
-    stopped = responses[:, -1] == tokenizer.pad_token_id  # an EOS before the limit, then padding
+    stopped = rollout["contains_eos"]  # (its EOS may be the last token a response has room for)
     wanted = pool & mask.bool().any(dim=1) & (stopped if args.trace_response == "stopped" else ~stopped)
     if not wanted.any():
-        kind = "stopped with EOS before" if args.trace_response == "stopped" else "was cut at"
+        kind = "stopped with EOS within" if args.trace_response == "stopped" else "was cut at"
         print(f"iteration {iteration + 1}: no response of rank 0 in the update {kind} the length limit "
               f"(--trace-response {args.trace_response}): the trace shows the first")
     row = int((wanted if wanted.any() else pool).int().argmax())

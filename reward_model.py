@@ -228,7 +228,7 @@ def main(args: Args) -> None:
     # that the initial scores are small. Under ZeRO-3 the weight is a shard: gather it, let rank 0 write it.
     with deepspeed.zero.GatheredParameters([model.score.weight], modifier_rank=0):
         torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))
-    optimizer = plumbing.adamw(model.parameters(), args.learning_rate, args.weight_decay)
+    optimizer = plumbing.adamw(model, args.learning_rate, args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, int(args.warmup_ratio * args.num_training_steps), args.num_training_steps
     )

@@ -5,8 +5,9 @@ Everything here is a formula from one of the seed papers, named as the paper nam
   - Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences" (KL penalty, adaptive KL).
   - InstructGPT: Ouyang et al. (2022) (pairwise reward-model loss, per-token KL reward).
   - Huang et al. (2024), "The N+ Implementation Details of RLHF with PPO" (masking, whitening, EOS handling).
-No model, tokenizer, DeepSpeed or I/O code lives here. Each function stands on its own apart from the masked
-statistics it calls, so it can be copied into another project.
+No model, tokenizer, DeepSpeed or I/O code lives here. Any function can be copied into another project: it needs
+`import torch` and, where its docstring says "Pasted alone it needs", what that sentence names (the helpers it calls:
+first_true_index, kl_per_token, masked_mean, masked_var). test_docs.py pastes each so into a fresh process.
 
 Conventions (shared by sft.py, reward_model.py and ppo.py)
 ------------------------------------------------------------
@@ -88,7 +89,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     """Variance of x over the positions where mask is 1 (a scalar), with Bessel's correction n / (n - 1) by default.
 
     Where the unbiased variance is undefined (fewer than two positions in the mask) it is 1, the rule of
-    mean_var_from_moments.
+    mean_var_from_moments. Pasted alone it needs `import torch` and masked_mean.
     """
     mean = masked_mean(x, mask)
     variance = masked_mean((x - mean) ** 2, mask)
@@ -128,7 +129,8 @@ def masked_whiten(
     With shift_mean=False the mean is added back, so only the scale changes (used for rewards, whose sign matters).
     mean and var are the masked mean and unbiased variance of x, (0, 1), which whitens nothing, with fewer than two
     positions in the mask (mean_var_from_moments' rule), or `stats` = (mean, var) when given (those of a larger
-    batch that x is part of, e.g. all ranks' together). x, mask [B, R] -> [B, R].
+    batch that x is part of, e.g. all ranks' together). x, mask [B, R] -> [B, R]. Pasted alone it needs `import
+    torch`, masked_mean and masked_var.
     """
     if stats is None:
         enough = mask.bool().sum() >= 2
@@ -154,7 +156,8 @@ def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int) -> torc
     """The response mask: 1 up to AND including the first stop token, 0 after it; all 1 where no stop token.
 
     responses [B, R] (token ids) -> [B, R] int64, like a Hugging Face attention mask. The stop token is the action
-    that ends the episode, so it is kept: its log-prob is trained and the score lands on it.
+    that ends the episode, so it is kept: its log-prob is trained and the score lands on it. Pasted alone it needs
+    `import torch` and first_true_index.
     """
     stop_index = first_true_index(responses == stop_token_id)  # R where the response never stopped
     positions = torch.arange(responses.shape[-1], device=responses.device)
@@ -205,7 +208,8 @@ def per_token_rewards(
         rewards              -beta kl0   -beta kl1   -beta kl2 + clip(s)     0
 
     scores [B]; logprobs, ref_logprobs, response_mask [B, R] -> (rewards [B, R], kl [B, R]); both exactly 0 where
-    the mask is 0. A row whose mask is all 0 gets no score and all-zero rewards.
+    the mask is 0. A row whose mask is all 0 gets no score and all-zero rewards. Pasted alone it needs `import torch`
+    and kl_per_token.
     """
     mask = response_mask.bool()
     kl = torch.where(mask, kl_per_token(logprobs, ref_logprobs, kl_estimator), 0.0)
@@ -278,7 +282,9 @@ def policy_loss(
     logprobs (with gradient), old_logprobs, advantages, response_mask [B, R] -> (loss scalar, stats), where stats
     holds, over the masked positions: `clipfrac` (share of tokens where the clipped term was the larger, so their
     gradient is 0), `approxkl` (0.5 mean (logp - old_logp)^2, the k2 estimate of KL(pi_old || pi)) and `ratio`
-    (mean r_t; exactly 1 on the first mini-batch of an iteration).
+    (mean r_t; 1 before the first optimizer step of an iteration when logp is computed exactly as old_logp was: ppo.py
+    checks it bit for bit in fp32, and not when an update reuses the last valid batch). Pasted alone it needs `import
+    torch` and masked_mean.
     """
     mask = response_mask.bool()
     # Padding may hold anything; zero it before it meets exp(), so that not even its gradient can become NaN.
@@ -309,7 +315,8 @@ def value_loss(
         0.5 max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
 
     values (with gradient), old_values, returns, response_mask [B, R] -> (loss scalar, clipfrac), clipfrac being the
-    share of masked tokens where the clipped term was the larger.
+    share of masked tokens where the clipped term was the larger. Pasted alone it needs `import torch` and
+    masked_mean.
     """
     mask = response_mask.bool()
     values = torch.where(mask, values, 0.0)
@@ -347,7 +354,7 @@ def pairwise_reward_loss(
     """loss = mean of -log sigmoid(r(x, y_c) - r(x, y_r) - m), accuracy = share of pairs with r(x, y_c) > r(x, y_r).
 
     chosen_scores, rejected_scores [B]; margin m: None (0), a float, or [B] (Llama 2's margin loss)
-    -> (loss scalar, accuracy scalar).
+    -> (loss scalar, accuracy scalar). Pasted alone it needs `import torch` and `import torch.nn.functional as F`.
     """
     difference = chosen_scores.float() - rejected_scores.float()
     if margin is not None:

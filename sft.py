@@ -184,7 +184,7 @@ def main(args: Args) -> None:
     if args.gradient_checkpointing:
         model.config.use_cache = False
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = plumbing.adamw(model.parameters(), args.learning_rate, args.weight_decay)
+    optimizer = plumbing.adamw(model, args.learning_rate, args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, int(args.warmup_ratio * args.num_training_steps), args.num_training_steps
     )

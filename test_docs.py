@@ -22,6 +22,9 @@ What is collected, from inline code spans (`...`) and fenced code blocks, and wh
 - the README's Quick start runs the demo and then the test command that .ci/run runs (that every metric a stage logs is in the README's guide is
   test_sft_and_reward_model.py's, from what short runs of the stages log).
 - README.md is at most 22,000 bytes.
+- the functions the README offers to copy (every function of rlhf_math.py, the `ppo.NAME`s of its "Functions to
+  copy") each run pasted alone: in a file of their own with what their docstring says a paste needs, in a fresh
+  process, giving what the function itself gives. That test is the one that reads source, the reader's paste.
 
 And the tests and benchmark.py reach the code through its functions and module attributes, never by parsing its
 source or reading stack frames (STYLE.md): no line of theirs uses one of READING_SOURCE_OR_FRAMES.
@@ -32,6 +35,7 @@ import importlib
 import inspect
 import os
 import re
+import subprocess
 import sys
 import types
 import typing
@@ -378,11 +382,129 @@ SEAM = ("Reach the code through its functions instead: the script's main(args) c
 
 def test_no_test_reads_source_or_stack_frames():
     """Reading a script's source or a running function's frames freezes the file's shape (which helper holds which
-    variable, which line follows which), the shape a reader needs us free to improve (STYLE.md)."""
+    variable, which line follows which), the shape a reader needs us free to improve (STYLE.md). The one exception is
+    the reader's paste (PASTE), whose subject is a function's source, and which stays in test_docs.py."""
     found = []
     for path in sorted([*ROOT.glob("test_*.py"), ROOT / "conftest.py", ROOT / "benchmark.py"]):
         for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.endswith(PASTE) and path.name == "test_docs.py":
+                continue
             for pattern, what in READING_SOURCE_OR_FRAMES:
                 if match := re.search(pattern, line):
                     found.append(f"{path.name}:{number}: {match.group(0)!r} {what}: {line.strip()[:100]}")
     assert not found, "tests that read source or stack frames:\n" + "\n".join(found) + "\n" + SEAM
+
+
+# The mark of the lines that copy a function's source as a reader does (test_functions_to_copy_run_pasted_alone).
+PASTE = "# the reader's paste"
+NEEDS = "Pasted alone it needs"
+
+
+def paste_needs(function) -> tuple[list[str], list[str]]:
+    """What the docstring of FUNCTION says a paste of it needs: (import lines, names of its module's helpers and
+    values); a function of rlhf_math.py that says nothing needs `import torch` alone (its module docstring)."""
+    doc = " ".join((inspect.getdoc(function) or "").split())
+    if NEEDS not in doc:
+        assert function.__module__ == "rlhf_math", f"{function.__name__}'s docstring says not what a paste needs"
+        return ["import torch"], []
+    sentence = re.split(r"\.(?:\s|$)", doc.split(NEEDS, 1)[1])[0]
+    names = [name for name in re.findall(r"[A-Za-z_]\w*", re.sub(r"`[^`]*`", "", sentence)) if name != "and"]
+    return re.findall(r"`([^`]*)`", sentence), names
+
+
+def functions_to_copy() -> list:
+    """Every function of rlhf_math.py, the ppo.NAMEs that the README's "Functions to copy" names, and the functions
+    their docstrings name as what a paste needs."""
+    import ppo
+    import rlhf_math
+    section = README.read_text().split("## Functions to copy", 1)[1].split("\n## ", 1)[0]
+    named = [getattr(ppo, name) for name in re.findall(r"`ppo\.(?!py`)(\w+)`", section)]
+    named += [getattr(ppo, name) for function in named for name in paste_needs(function)[1]
+              if inspect.isfunction(getattr(ppo, name))]
+    return [value for value in vars(rlhf_math).values() if inspect.isfunction(value) and
+            value.__module__ == "rlhf_math"] + list(dict.fromkeys(named))
+
+
+# The child: each pasted function against the function itself, on the same inputs (the toy task's tokenizer and
+# base model for ppo's), and from the same seed. It prints "ok MODULE.NAME" for each that gives the same.
+PASTES_RUN = r"""
+import importlib, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+import ppo, rlhf_math
+sys.path.insert(0, sys.argv[1])
+torch.manual_seed(0)
+mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+x, y, z, logits = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5, 7)
+tokens = torch.randint(7, (3, 5))
+tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
+policy = AutoModelForCausalLM.from_pretrained("toy_task/base_model").eval()
+critic = AutoModelForSequenceClassification.from_pretrained("toy_task/base_model", num_labels=1).eval()
+prompts = tokenizer(["The story", "I watched this film last night and"], padding=True, return_tensors="pt")
+P, config = prompts["input_ids"].shape[1], ppo.sampling_config(tokenizer, 6, 0.7)
+with torch.no_grad():
+    responses = ppo.sample(policy, prompts["input_ids"], prompts["attention_mask"], config)
+S = torch.cat([prompts["input_ids"], responses], dim=1)
+A = torch.cat([prompts["attention_mask"], rlhf_math.response_mask_from_stop(responses, tokenizer.eos_token_id)], 1)
+CASES = {
+    "rlhf_math.logprobs_from_logits": (logits, tokens, 0.7), "rlhf_math.entropy_from_logits": (logits, 0.7),
+    "rlhf_math.masked_mean": (x, mask), "rlhf_math.masked_var": (x, mask),
+    "rlhf_math.mean_var_from_moments": (torch.tensor(4.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64),
+                                        torch.tensor(3.0, dtype=torch.float64)),
+    "rlhf_math.masked_whiten": (x, mask), "rlhf_math.first_true_index": (tokens == 3,),
+    "rlhf_math.response_mask_from_stop": (tokens, 3), "rlhf_math.kl_per_token": (x, y, "k3"),
+    "rlhf_math.per_token_rewards": (z[:, 0], x, y, mask, 0.1, 1.0),
+    "rlhf_math.adaptive_kl_coef": (0.1, 7.0, 6.0, 1e4, 64),
+    "rlhf_math.gae_advantages_and_returns": (x, y, mask, 0.9, 0.8), "rlhf_math.policy_loss": (x, y, z, mask),
+    "rlhf_math.value_loss": (x, y, z, mask), "rlhf_math.ema_update": (x, y, 0.9),
+    "rlhf_math.pairwise_reward_loss": (x[:, 0], y[:, 0], 0.5),
+    "ppo.sampling_config": (tokenizer, 6, 0.7), "ppo.sample": (policy, prompts["input_ids"], prompts["attention_mask"],
+                                                               config),
+    "ppo.generation_settings": (policy, config), "ppo.position_ids_from": (A,),
+    "ppo.response_logits": (policy, S, A, P), "ppo.response_logprobs": (policy, S, A, P, 0.7),
+    "ppo.head_at_every_position": (critic, S, A), "ppo.critic_values": (critic, S, A, P, 0.5, 2.0),
+    "ppo.in_micro_batches": (ppo.response_logprobs, 1, policy, S, A, P, 0.7),
+}
+
+def same(a, b):
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if hasattr(a, "to_dict"):
+        return a.to_dict() == b.to_dict()
+    return a == b
+
+for case, args in CASES.items():
+    module, name = case.split(".")
+    results = []
+    for function in (getattr(sys.modules[module], name), getattr(importlib.import_module(f"paste_{name}"), name)):
+        torch.manual_seed(2)
+        with torch.no_grad():
+            results.append(function(*args))
+    assert same(*results), case
+    print("ok", case)
+"""
+
+
+def test_functions_to_copy_run_pasted_alone(tmp_path):
+    """Each function the README offers to copy, pasted into a file of its own with only what its docstring names
+    (imports, and its module's helpers and values: none of plumbing's), runs in a fresh process and gives what the
+    function itself gives; a helper left unnamed, or a call into plumbing, stops it with a NameError."""
+    functions = functions_to_copy()
+    assert {function.__name__ for function in functions} >= {"sample", "response_logprobs", "critic_values"}
+    for function in functions:
+        imports, names = paste_needs(function)
+        module = sys.modules[function.__module__]
+        parts = [inspect.getsource(getattr(module, name)) if callable(getattr(module, name))  # the reader's paste
+                 else f"{name} = {getattr(module, name)!r}\n" for name in names]
+        paste = "\n".join(imports) + "\n\n\n" + "\n\n".join(parts + [inspect.getsource(function)])  # the reader's paste
+        assert "plumbing" not in paste, f"{function.__name__} reaches plumbing/, which a paste does not have"
+        (tmp_path / f"paste_{function.__name__}.py").write_text(paste)
+    result = subprocess.run([sys.executable, "-c", PASTES_RUN, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ran = set(re.findall(r"^ok (\S+)$", result.stdout, re.MULTILINE))
+    assert ran == {f"{function.__module__}.{function.__name__}" for function in functions}, ran

@@ -429,7 +429,7 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     rollout = {name: torch.zeros(2, 3) for name in ["logprobs", "ref_logprobs", "kl", "rewards", "values",
                                                      "gae_advantages", "advantages", "returns"]}
     rollout.update(sequences=torch.cat([torch.full((2, 2), 7), responses], dim=1), P=2, scores=torch.zeros(2),
-                   mask=torch.tensor([[1, 1, 0], [1, 1, 0]]))
+                   mask=torch.tensor([[1, 1, 0], [1, 1, 0]]), contains_eos=torch.tensor([True, True]))
     trace_args = dataclasses.replace(args, trace_every=1, trace_response="cut")
     tokenizer = types.SimpleNamespace(pad_token_id=pad, decode=lambda ids: str(ids))
     first_logprobs = torch.full((2, 3), -1.0)
@@ -444,6 +444,12 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     assert "iteration 1: no response of rank 0 in the update was cut at the length limit (--trace-response cut): " \
            "the trace shows the first" in capsys.readouterr().out
     assert [json.loads(line)["row"] for line in open(trace)] == [0, 0, 0]
+    # Row 0 cut at the limit, row 1 stopped with an EOS in the last place it had: the one that stopped is row 1.
+    rollout.update(sequences=torch.tensor([[7, 7, 5, 8, 9], [7, 7, 6, 8, eos]]), mask=torch.ones(2, 3),
+                   contains_eos=torch.tensor([False, True]))
+    for trace_args.trace_response, row in [("stopped", 1), ("cut", 0)]:
+        trace_one()
+        assert json.loads(open(trace).readlines()[-1])["row"] == row
     for name in {first["run_name"], *names}:
         shutil.rmtree(os.path.join("runs", name))
 
@@ -520,77 +526,104 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
     shutil.rmtree(runs)
 
 
-def test_non_finite_sampling_probabilities_stop_with_one_line(stages):
-    """Logits that are not finite (a model broken by its weights or its precision, a temperature near 0) stop sampling
-    with one line naming the cause, before torch.multinomial fails with a message that names none; any other error
-    (a rank that lost its peer fails inside sampling too) goes on as it is."""
+def test_logits_that_are_not_finite_stop_sampling_with_one_line(stages, tmp_path, monkeypatch):
+    """Logits that are not finite (a model broken by its weights or its precision, a temperature near 0), even one
+    of them in one row at one step, stop sampling with a ValueError naming the cause, before torch.multinomial fails
+    with a message that names none; ppo.py's loop turns it into its one line. Any other error (a rank that lost its
+    peer fails inside sampling too) goes on as it is."""
     model, tokenizer = AutoModelForCausalLM.from_pretrained(stages[1]), AutoTokenizer.from_pretrained(stages[1])
-    with torch.no_grad():
-        model.lm_head.weight.fill_(float("nan"))
-    prompt = torch.tensor([tokenizer("The story").input_ids])
+    prompt = torch.tensor([tokenizer("The story").input_ids] * 3)
     config = ppo.sampling_config(tokenizer, 4, 1.0)
-    sample = functools.partial(ppo.sample, model, prompt, torch.ones_like(prompt), config, False)
-    check_stops([(sample, "the policy's next-token logits are not finite (inf or nan) while sampling: check the model "
-                          "and --temperature, or lower the learning rates")])
+    config.eos_token_id = None  # all 4 steps
+    message = "the policy's next-token logits are not finite (inf or nan) while sampling"
+    forward = model.forward
+    for bad in [float("nan"), float("inf")]:
+        def one_bad_logit(bad=bad, **kwargs):  # at the third step, row 1 (not the first), token 5: one logit
+            out = forward(**kwargs)
+            if kwargs["input_ids"].shape[1] == 1 and kwargs["position_ids"][0, 0] == prompt.shape[1] + 1:
+                out.logits[1, -1, 5] = bad
+            return out
+        model.forward = one_bad_logit
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ppo.sample(model, prompt, torch.ones_like(prompt), config)
 
     def lost_peer(**_):  # gloo's error, as a killed peer of a ZeRO-3 generation produced it
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2237. This is typically caused by a "
                            "remote worker crashing.")
     model.forward = lost_peer
     with pytest.raises(RuntimeError, match="Connection closed by peer"):  # left to one_line_for_a_lost_rank
-        sample()
+        ppo.sample(model, prompt, torch.ones_like(prompt), config)
+    # The loop, sampling from an actor whose output layer broke: the run's one line.
+    sample = ppo.sample
+
+    def broken(model, *args):
+        with torch.no_grad():
+            model.get_output_embeddings().weight.fill_(float("nan"))
+        return sample(model, *args)
+    monkeypatch.setattr(ppo, "sample", broken)
+    assert ppo_error(stages, tmp_path / "out", "--total-episodes", "16").endswith(message + ": check the model and "
+                                                                                   "--temperature, or lower the "
+                                                                                   "learning rates")
 
 
-def test_sample_takes_any_generation_config_it_can_honour(stages):
-    """ppo.sample, the function a reader copies, with a GenerationConfig of transformers' defaults (every field None
-    but the length and the special tokens): no suppressed token, temperature 1, as generate samples with it. A config
-    that reshapes the distribution (top-k, top-p, min_new_tokens, ...) stops with one line, whatever the model: the
-    log-probs PPO computes would not be the sampling distribution's."""
-    model = AutoModelForCausalLM.from_pretrained(stages[1]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(stages[1], padding_side="left")
-    prompts = tokenizer(["The story", "We"], padding=True, return_tensors="pt")
-    config = GenerationConfig(max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id)
-    assert config.suppress_tokens is None and config.temperature is None and config.top_k is None
-    with torch.no_grad():
-        torch.manual_seed(1)
-        sampling = copy.deepcopy(config)
-        sampling.do_sample, sampling.top_k, sampling.top_p = True, 0, 1.0  # what generate needs told
-        expected = model.generate(**prompts, generation_config=sampling)[:, prompts["input_ids"].shape[1] :]
-        torch.manual_seed(1)
-        responses = ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False)
-    assert torch.equal(responses[:, : expected.shape[1]], expected)
-    for field, value in [("top_k", 5), ("top_p", 0.9), ("min_new_tokens", 3)]:
-        reshaped = copy.deepcopy(config)
-        setattr(reshaped, field, value)
-        check_stops([(lambda: ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], reshaped, False),
-                      f"the generation config asks for {field}={value!r}: PPO's log-probs are those of plain sampling "
-                      "from softmax(logits / temperature), and would not be the sampling distribution's")])
-
-
-def test_sample_stops_as_generate_does(stages):
-    """On the SFT model, which ends its responses: ppo.sample draws generate's tokens from the same seed, pad after
-    each EOS, and stops once every response has stopped; a model that returns no key-value cache stops it with one
-    line."""
+def test_sample_draws_generates_tokens_or_refuses_the_config(stages):
+    """ppo.sample, the function a reader copies, against model.generate with the same config and seed: the same
+    tokens, pad after each EOS and to max_new_tokens, for every kind of config it accepts: transformers' defaults
+    (greedy, the model's generation_config filling what is unset), plain sampling at a temperature, do_sample=False,
+    a list of EOS ids (Llama 3's form), no EOS at all, settings taken from the model's generation_config, suppressed
+    tokens. Every config it does not follow raises a ValueError with one line, whatever the model."""
     model = AutoModelForCausalLM.from_pretrained(stages[1]).eval()
     tokenizer = AutoTokenizer.from_pretrained(stages[1], padding_side="left")
     prompts = tokenizer(["The story", "I watched this film last night and", "We"], padding=True, return_tensors="pt")
-    config = ppo.sampling_config(tokenizer, max_new_tokens=64, temperature=0.7)
-    with torch.no_grad():
-        torch.manual_seed(1)
-        expected = model.generate(**prompts, generation_config=config)[:, prompts["input_ids"].shape[1] :]
-        torch.manual_seed(1)
-        responses = ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False)
-    assert expected.shape[1] < 64 and responses.shape[1] == 64  # stopped early, then padded to the length limit
-    assert torch.equal(responses[:, : expected.shape[1]], expected) and (responses[:, expected.shape[1] :] ==
-                                                                        tokenizer.pad_token_id).all()
-    assert (responses == tokenizer.eos_token_id).any(dim=1).all()
-    # A model that returns no cache (custom code that ignores `cache`) would go on from the last token alone.
+    eos, pad, own = tokenizer.eos_token_id, tokenizer.pad_token_id, model.generation_config
+    assert own.eos_token_id == eos and own.pad_token_id == pad and own.do_sample is None  # the SFT folder's
+    common = tokenizer(" the", add_special_tokens=False).input_ids[0]  # a token the toy model samples often
+    plain = dict(do_sample=True, top_k=0, max_new_tokens=16)
+    accepted = [(GenerationConfig(max_new_tokens=16), own),  # greedy; EOS and pad from the model's config
+                (GenerationConfig(**plain, temperature=0.7, eos_token_id=eos, pad_token_id=pad), own),
+                (GenerationConfig(do_sample=False, temperature=0.7, max_new_tokens=16), own),
+                (GenerationConfig(**plain, eos_token_id=[eos, common], pad_token_id=pad), own),
+                (GenerationConfig(**plain, pad_token_id=pad), GenerationConfig()),  # no EOS: runs to the limit
+                (GenerationConfig(max_new_tokens=16), GenerationConfig(do_sample=True, top_k=0, temperature=1.5,
+                                                                        eos_token_id=eos, pad_token_id=pad)),
+                (GenerationConfig(**plain, suppress_tokens=[eos, common], pad_token_id=pad), own)]
+    for seed, (config, model_config) in enumerate(accepted):
+        model.generation_config = model_config
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            expected = model.generate(**prompts, generation_config=config)[:, prompts["input_ids"].shape[1]:]
+            torch.manual_seed(seed)
+            responses = ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config)
+        L = expected.shape[1]
+        assert responses.shape == (3, 16) and torch.equal(responses[:, :L], expected), config
+        assert (responses[:, L:] == (pad if config.pad_token_id is None else config.pad_token_id)).all()
+    greedy, stops = (ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config)
+                     for config in [accepted[0][0], accepted[3][0]])
+    model.generation_config = own
+    assert torch.equal(greedy, ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], accepted[0][0]))
+    assert ((stops == common) | (stops == eos)).any(dim=1).all()  # the list's second id ended some responses
+
+    refused = [(GenerationConfig(), own, "nor the model's sets max_new_tokens, which sample needs"),
+               (GenerationConfig(max_new_tokens=4), GenerationConfig(eos_token_id=eos), "sets pad_token_id"),
+               (GenerationConfig(do_sample=True, max_new_tokens=4), own, "generate would use top_k=50 (from"),
+               (GenerationConfig(max_new_tokens=4), GenerationConfig(do_sample=True, pad_token_id=pad), "top_k=50")]
+    refused += [(GenerationConfig(**{**plain, field: value}), own, f"use {field}={value!r}") for field, value in [
+        ("top_k", 5), ("top_p", 0.9), ("min_new_tokens", 3), ("num_beams", 2), ("no_repeat_ngram_size", 2),
+        ("bad_words_ids", [[common]]), ("repetition_penalty", 1.2), ("min_p", 0.1)]]
+    no_pad = copy.deepcopy(tokenizer)
+    no_pad.pad_token = None  # sampling_config of a tokenizer without a pad token, the model's config without one too
+    refused.append((ppo.sampling_config(no_pad, 4, 1.0), GenerationConfig(eos_token_id=eos), "sets pad_token_id"))
+    for config, model_config, message in refused:
+        model.generation_config = model_config
+        with pytest.raises(ValueError, match=re.escape(message)) as refusal:
+            ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config)
+        assert "\n" not in str(refusal.value)
+    # A model that returns no key-value cache (custom code that ignores `cache`) would go on from the last token alone.
+    model.generation_config = own
     forward = model.forward
     model.forward = lambda **kwargs: forward(**{**kwargs, "use_cache": False})
-    check_stops([(lambda: ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], config, False),
-                  f"{type(model).__name__} returns no key-value cache for transformers 5.24's `cache` argument, which "
-                  "ppo.py samples with: upgrade transformers, or use one of its own models")])
+    with pytest.raises(ValueError, match="returns no key-value cache for transformers 5.24's `cache` argument"):
+        ppo.sample(model, prompts["input_ids"], prompts["attention_mask"], accepted[1][0])
 
 
 def test_a_checkpoint_on_a_full_disk_keeps_the_one_before(stages, tmp_path, monkeypatch, capsys):
@@ -792,6 +825,14 @@ def wrong(stages, tmp_path_factory):
     AutoTokenizer.from_pretrained(sft_path).save_pretrained(root / "wide_actor")
     (root / "linked_out").mkdir()  # an output folder whose actor/ is a link to the SFT model that the run reads
     os.symlink(os.path.abspath(sft_path), root / "linked_out" / "actor")
+    shutil.copytree(sft_path, root / "no_eos")  # an actor whose tokenizer has no EOS: no response could ever stop
+    tokenizer = AutoTokenizer.from_pretrained(sft_path)
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(root / "no_eos")
+    shutil.copytree(rm_path, root / "no_labels")  # a reward model whose config.json names no labels: 2, to transformers
+    config = json.loads((root / "no_labels" / "config.json").read_text())
+    (root / "no_labels" / "config.json").write_text(json.dumps({key: value for key, value in config.items()
+                                                                 if key not in ("num_labels", "id2label", "label2id")}))
     return root
 
 
@@ -820,7 +861,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         ({"offload": True, "actor_zero_stage": 2}, "--offload needs --critic-zero-stage 1, 2 or 3"),
     ]])
     # (A wrong data file or model folder alone, through plumbing's load_split and check_model_folder: test_plumbing.py.)
-    check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16"], [
+    cases = [
         (["--total-episodes", "20"], "--total-episodes / (rollout batch x ranks): 20 is not divisible by 8"),
         (["--max-new-tokens", "200"], "--max-new-tokens 200 is longer than the model's 128 positions"),
         (["--dataset", str(bad / "empty_prompt.jsonl")], "row 1 of split 'train', column 'prompt': empty text"),
@@ -835,12 +876,16 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
          "--lora-target-modules 'nothing_matches'"),
         (["--min-response-tokens", "1000"], "iteration 0: no response has --min-response-tokens 1000 real tokens"),
         # A causal LM is no reward model (only the critic may start with a fresh head), nor is a 2-label classifier.
-        (["--reward-model-name-or-path", stages[1]], f"{stages[1]!r} is a causal language model, not a reward model"),
-        (["--reward-model-name-or-path", str(wrong / "two_labels")],
-         "must be a 1-label AutoModelForSequenceClassification with a linear `score` head, as reward_model.py saves it "
-         "(it has 2 labels); check --reward-model-name-or-path"),
-        (["--reward-model-name-or-path", str(wrong / "one_label_config")],
-         "do not fit its config.json: score.weight is [2, 128] there, [1, 128] by the config"),
+        (["--reward-model-name-or-path", stages[1]], f"{stages[1]!r} is a causal language model, not a 1-label "
+                                                     "sequence classifier: its score head would start random; check "
+                                                     "--reward-model-name-or-path"),
+        (["--reward-model-name-or-path", str(wrong / "two_labels")], "must be a 1-label "
+         "AutoModelForSequenceClassification (its config.json has 2 labels); check --reward-model-name-or-path"),
+        (["--reward-model-name-or-path", str(wrong / "no_labels")], "(its config.json has 2 labels); check "
+                                                                    "--reward-model-name-or-path"),
+        (["--reward-model-name-or-path", str(wrong / "one_label_config")],  # the critic, starting from it, loads first
+         "do not fit its config.json: score.weight is [2, 128] there, [1, 128] by the config (another vocabulary "
+         "size, or number of labels); check --reward-model-name-or-path"),
         (["--reward-model-name-or-path", str(wrong / "zero_std")], "reward_std 0.0, must be numbers with reward_std > 0"),
         (["--actor-model-name-or-path", str(wrong / "added_tokens")], "tokens were added to it without "
          "model.resize_token_embeddings(len(tokenizer)); resize the model's embeddings and save it with its tokenizer, "
@@ -869,11 +914,35 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
         (["--output-dir", str(wrong / "linked_out"), "--overwrite"],
          f"--output-dir '{wrong / 'linked_out' / 'actor'}' is or holds --actor-model-name-or-path '{stages[1]}'"),
         (["--exp-name", "nested/name"], "--exp-name 'nested/name' must be a plain name (no '/')"),
-    ], tmp_path)
+        (["--actor-model-name-or-path", str(wrong / "no_eos")], f"the tokenizer of '{wrong / 'no_eos'}' needs an EOS "
+         "token (a response ends with it) and a pad token distinct from it, as a model saved by sft.py has; check "
+         "--actor-model-name-or-path"),
+    ]
+    check_errors("ppo.py", [*stages, *FEW_ITERATIONS, "--total-episodes", "16"], cases, tmp_path)
+    # The models' checks stop a run before it claims its output folder (check_errors gives case i tmp_path/case_i).
+    refused_models = [i for i, (flags, _) in enumerate(cases) if {"no_eos", "two_labels", "no_labels"} &
+                      {os.path.basename(flag) for flag in flags}]
+    assert len(refused_models) == 3 and not any((tmp_path / f"case_{i}").exists() for i in refused_models)
     assert sorted(os.listdir(wrong / "data")) == ["test.jsonl", "train.jsonl"]  # nothing written into the data
     with pytest.raises(SystemExit):
         tyro.cli(ppo.Args, args=["--actor-zero-stage", "4"])
     assert "invalid choice '4' for argument '--actor-zero-stage'" in capsys.readouterr().err
+
+
+def test_text_in_square_brackets_is_printed_as_text(stages, tmp_path):
+    """Prompts in Llama 2's chat form, "[INST] ... [/INST]", and a response that spells rich's markup: ppo.py's
+    samples table and evaluate.py's tables print them as they are (rich would read them as its markup and stop)."""
+    rows = [json.loads(line) for line in open("toy_task/data/test.jsonl")][:8]
+    write_jsonl(tmp_path / "inst.jsonl", [{**row, "prompt": f"[INST] {row['prompt']} [/INST]"} for row in rows])
+    flags = ["--dataset", str(tmp_path / "inst.jsonl"), "--max-prompt-len", "48"]
+    result, exp_name = run_ppo(stages, tmp_path / "ppo", "--total-episodes", "8", *flags, here=True)
+    assert "[INST]" in result.stdout and "[/INST]" in result.stdout  # in the samples table, (wrapped) as they are
+    read_metrics(exp_name)
+    result = run("evaluate.py", "--sft-model", stages[1], "--ppo-model", str(tmp_path / "ppo" / "actor"),
+                 "--reward-model", stages[3], *flags, "--split", "train", "--batch-size", "8", "--max-new-tokens", "12",
+                 "--output-dir", str(tmp_path / "eval"), here=True)
+    assert "[INST]" in result.stdout and "[/INST]" in result.stdout
+    assert "samples [reward-model score | gold score]" in result.stdout and "(train)" in result.stdout
 
 
 def test_evaluate(stages, wrong, tmp_path, monkeypatch):
@@ -949,7 +1018,7 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
     flags[flags.index("--ppo-model") + 1] = str(out / "actor")
     for folder, message in [("no_pad_reward", "needs an EOS and a pad token; set them and save it, or check "
                                               "--reward-model"),
-                            ("two_labels", "(it has 2 labels); check --reward-model"),
+                            ("two_labels", "(its config.json has 2 labels); check --reward-model"),
                             ("zero_std", "reward_std 0.0, must be numbers with reward_std > 0"),
                             ("critic", "was saved by ppo.py (a trained actor or critic, says its training_run.json)")]:
         flags[flags.index("--reward-model") + 1] = str(wrong / folder)

@@ -36,8 +36,8 @@ ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "r
 def install_recorder(set_attribute, path):
     """Record what the loop computes (module docstring) into PATH.rankN when the run ends (plumbing.end_run), from
     the values the loop passes to helpers it calls anyway, each replaced by one that records and calls the original:
-    ppo.sample (the sampling config where it is used: an iteration starts), ppo.iteration_metrics (all that the rollout
-    computed), ppo.build_engines (which engine is the actor) and ppo.tokens_per_mini_batch (each epoch's mini-batches
+    ppo.sample (the sampling config and seed where they are used: an iteration starts), ppo.iteration_metrics (all
+    that the rollout computed), ppo.build_engines (which engine is the actor) and ppo.tokens_per_mini_batch (each epoch's mini-batches
     and the mask of the batch the update trains on: the k-th optimizer step of an engine in an epoch trains on its
     k-th). At every optimizer step of actor and critic (DeepSpeedEngine.step at an accumulation boundary) the weights
     before the step, the gradient it applies and its learning rates.
@@ -59,13 +59,14 @@ def install_recorder(set_attribute, path):
         loop["actor"] = result[0]
 
     def sampled(result, model, prompt_ids, prompt_mask, config, synced):
-        loop.update(iteration=loop["iteration"] + 1, sampling=config.to_dict())
+        loop.update(iteration=loop["iteration"] + 1, sampling=config.to_dict(), seed=torch.initial_seed())
 
     def logged(result, update_sums, rollout, lr, iteration, times, args):
         assert iteration == loop["iteration"]
         masks[iteration] = rollout["mask"]  # the object itself: the batch of an update is known by it
         rollouts[iteration] = {**{name: value.clone() for name, value in rollout.items() if torch.is_tensor(value)},
-                               "P": rollout["P"], "kl_coef": rollout["kl_coef"], "sampling": loop.pop("sampling")}
+                               "P": rollout["P"], "kl_coef": rollout["kl_coef"], "sampling": loop.pop("sampling"),
+                               "seed": loop.pop("seed")}
 
     def epoch(result, mask, mini_batches):
         loop.update(mask=mask, mini_batches=[rows.clone() for rows in mini_batches],
@@ -256,6 +257,10 @@ def check_rollouts(records, metrics, models, args):
             "lr": next(s for s in steps if s["model"] == "actor")["lrs"][0]}
         for name, value in expected.items():
             assert m[name] == pytest.approx(float(value), rel=1e-5, abs=1e-6), (iteration, name)
+    # Each rank samples from a seed of its own, and each iteration from another: ranks that drew alike would answer
+    # alike what they were asked alike.
+    seeds = [record["rollouts"][iteration]["seed"] for record in records for iteration in range(len(metrics))]
+    assert len(set(seeds)) == len(seeds), seeds
     # Each rank answers its own share of the iteration's prompts, drawn in an order shuffled once per pass.
     prompts = plumbing.load_prompts(tokenizer, args["dataset"], args["train_split"], args["prompt_column"],
                                     args["max_prompt_len"], False)
@@ -437,7 +442,7 @@ def check_trace(records, args, tokenizer):
     the loop computed (the recorded rollout's): the score on its last in-mask position only, rewards 0 after it,
     returns = GAE advantages + values in the mask, and the new log-probs of the update's first mini-batch (ratio 1: no
     step yet), none when the update reused the last valid batch. The response is the first valid one of that
-    mini-batch that stopped with EOS before the length limit (or was cut at it, with --trace-response cut)."""
+    mini-batch that stopped with EOS within the length limit (or was cut at it, with --trace-response cut)."""
     for iteration, rollout in records[0]["rollouts"].items():
         lines = [line for line in args["trace"] if line["iteration"] == iteration + 1]
         row, responses = lines[0]["row"], rollout["sequences"][:, rollout["P"]:]
@@ -461,7 +466,7 @@ def check_trace(records, args, tokenizer):
             assert all(line["new_logprob"] is None and line["ratio"] is None for line in lines)
             continue
         first_rows = first_step["rows"].tolist()
-        stopped = responses[:, -1] == tokenizer.pad_token_id
+        stopped = (responses == tokenizer.eos_token_id).any(dim=1)  # (an EOS in the last place, too)
         wanted = [r for r in first_rows if rollout["mask"][r].any() and
                   bool(stopped[r]) == (args["trace_response"] == "stopped")]
         assert wanted and row == min(wanted), (iteration, row, first_rows)  # a response whose trace shows something

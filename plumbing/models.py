@@ -90,6 +90,37 @@ def load_tokenizer(path: str, hint: str, trust_remote_code: bool):
     except (OSError, ValueError) as error:
         fail(f"cannot load a tokenizer from {path!r} ({' '.join(str(error).split())}); {hint}")
 
+def load_generating_tokenizer(path: str, flag: str, trust_remote_code: bool):
+    """The tokenizer of a model that generates, padding on the left (every prompt then ends where its response starts),
+    with an EOS (a response ends with it) and a pad token distinct from it (a pad equal to EOS would hide the real EOS
+    in every mask made from padding), or one line naming FLAG."""
+    tokenizer = load_tokenizer(path, f"check {flag}", trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id in (None, tokenizer.eos_token_id):
+        fail(f"the tokenizer of {path!r} needs an EOS token (a response ends with it) and a pad token distinct from "
+             f"it, as a model saved by sft.py has; check {flag}")
+    return tokenizer
+
+def check_positions(path: str, length: int, what: str, trust_remote_code: bool) -> None:
+    """Sequences of LENGTH tokens (WHAT: the flags that make it) fit the positions of the model at PATH."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    positions = getattr(config, "max_position_embeddings", length)
+    if length > positions:
+        fail(f"{what} is longer than the model's {positions} positions; lower them")
+
+def check_classifier_config(path: str, flag: str, trust_remote_code: bool):
+    """The config of a 1-label AutoModelForSequenceClassification (a scalar score), or one line naming FLAG: not a
+    causal language model's (its head would start random), not one of other labels (a config.json that names none
+    reads as 2 labels)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if any(name.endswith("ForCausalLM") for name in config.architectures or []):
+        fail(f"{path!r} is a causal language model, not a 1-label sequence classifier: its score head would start "
+             f"random; check {flag}")
+    if config.num_labels != 1:
+        fail(f"{path!r} must be a 1-label AutoModelForSequenceClassification (its config.json has {config.num_labels} "
+             f"labels); check {flag}")
+    return config
+
 def load_tokenizer_with_pad(path: str, hint: str, trust_remote_code: bool, is_main: bool, model_path: str):
     """The tokenizer (each token with a row in the embeddings of the model at MODEL_PATH), with an EOS and a pad token
     distinct from it (a pad equal to EOS would mask the real EOS: DeepSpeed-Chat's trap), and whether the pad was
@@ -173,9 +204,13 @@ def model_config(path: str, disable_dropout: bool, trust_remote_code: bool, **kw
                 setattr(config, key, 0.0)
     return config
 
-def adamw(params, lr: float, weight_decay: float):
-    """torch's fused AdamW: one kernel for all weights, on the GPU, or on the CPU where --offload puts the step."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+def adamw(model, lr: float, weight_decay: float, adapter_lr: float = 0.0):
+    """torch's fused AdamW over a model's trained parameters (one kernel for all, on the GPU, or on the CPU where
+    --offload puts the step), LoRA's adapters (add_lora) in a group of their own at ADAPTER_LR."""
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    groups = [{"params": [param for name, param in trained if ("lora_" in name) == adapters],
+               "lr": adapter_lr if adapters else lr} for adapters in (False, True)]
+    return torch.optim.AdamW([group for group in groups if group["params"]], lr=lr, weight_decay=weight_decay,
                              fused=get_accelerator().device_name() in ("cpu", "cuda"))
 
 def initialize_engine(model, ds_config: dict, optimizer=None, scheduler=None):

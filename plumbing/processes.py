@@ -1,6 +1,7 @@
 """A stage's process: its flags checked, a stop with one line, its rank among the others, its signals, its memory."""
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import math
@@ -18,6 +19,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 
 def script() -> str:
@@ -27,6 +31,25 @@ def script() -> str:
 def fail(message: str) -> None:
     """Stop with a one-line message that says what to fix, instead of a stack trace from inside a library."""
     raise SystemExit(f"{script()}: error: {message}")
+
+@contextlib.contextmanager
+def stop_on(*errors):
+    """Inside it, an exception of one of ERRORS stops the run as fail does, with its message: the refusal of a function
+    written to be copied alone (ppo.sample), which cannot call fail."""
+    try:
+        yield
+    except errors as error:
+        fail(str(error))
+
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A table on the console whose title and cells show as the text they are: a prompt or a response that holds
+    square brackets ("[INST] ... [/INST]") is never read as rich's markup."""
+    table = Table(title=Text(title), show_lines=True)
+    for column in columns:
+        table.add_column(Text(column))
+    for row in rows:
+        table.add_row(*map(Text, row))
+    Console().print(table)
 
 def exact_div(a: int, b: int, what: str) -> int:
     """a / b, which must divide exactly: batch arithmetic is never silently rounded."""
