@@ -314,8 +314,8 @@ def answer(policy, sft, reward, tokenizer, reward_tokenizer, prompts: list[list[
            args: Args, reward_mean: float, reward_std: float, device) -> dict[str, list]:
     """Sample one response per prompt from `policy` as ppo.py does, and measure it: the normalized reward-model score,
     the gold score (None where the text does not parse), the length in tokens (EOS included), and the KL to the SFT
-    policy (the sum over the response of log pi - log pi_sft, the k1 estimate behind objective/kl). reward_tokenizer:
-    the reward model's, when it is another than the policies' (else None)."""
+    policy (the sum over the response of log pi - log pi_sft, the k1 estimate: objective/kl's at ppo.py's default
+    --kl-estimator). reward_tokenizer: the reward model's, when it is another than the policies' (else None)."""
     result = {"responses": [], "scores": [], "gold": [], "lengths": [], "kl": []}
     for start in range(0, len(prompts), args.batch_size):
         padded = tokenizer.pad({"input_ids": prompts[start : start + args.batch_size]}, return_tensors="pt")
@@ -395,7 +395,8 @@ def save_figure(fig, path: str) -> None:
 
 
 def plot_training(metrics_file: str, path: str) -> None:
-    """Reward (score and score minus KL penalty) and KL per episode, read from ppo.py's metrics.jsonl."""
+    """Reward (score and score minus KL penalty) and KL per episode, read from ppo.py's metrics.jsonl, under the run's
+    name (the folder ppo.py writes it in: runs/RUN_NAME/metrics.jsonl)."""
     rows = read_metrics(metrics_file)
     if not rows:
         print(f"no training picture: {metrics_file} holds no metrics rows")
@@ -413,7 +414,7 @@ def plot_training(metrics_file: str, path: str) -> None:
     reward_axis.legend()
     kl_axis.plot(episodes, [row["objective/kl"] for row in rows])
     kl_axis.set(xlabel="episode", ylabel="KL(pi || pi_ref) per response", title="objective/kl")
-    fig.suptitle(os.path.dirname(metrics_file))
+    fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_file))))
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -421,8 +422,9 @@ def plot_training(metrics_file: str, path: str) -> None:
 
 
 def plot_overoptimization(points: list[dict], path: str) -> None:
-    """Proxy against truth along training, one point per snapshot, against the KL to the SFT policy (Gao et al.
-    2022): the win rates over SFT by the reward model and by the gold rule, and the parse rate; the mean scores."""
+    """Proxy against truth along training, one point for the SFT policy and one per snapshot, against the KL to the
+    SFT policy (Gao et al. 2022): the win rates over SFT by the reward model and by the gold rule, and the parse rate,
+    each point of the gold rule's labelled (label_points); the mean scores."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -433,8 +435,6 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
     rate_axis.plot(kl, [p["win_rate"] for p in points], "o-", label="win rate by the reward model (the proxy)")
     rate_axis.plot(kl, [p["gold_win_rate"] for p in points], "s-", label="win rate by the gold rule (the truth)")
     rate_axis.plot(kl, [p["parse_rate"] for p in points], "^--", label="parse rate (gold judge)")
-    for p in points:
-        rate_axis.annotate(p["label"], (p["mean_kl_to_sft"], p["gold_win_rate"]), fontsize=7)
     rate_axis.set(xlabel="KL(pi || pi_sft) per response", ylim=(0, 1.02), title="against the SFT policy")
     rate_axis.legend(fontsize=8)
     score_axis.plot(kl, [p["mean_score"] for p in points], "o-", label="reward model (normalized)")
@@ -445,8 +445,44 @@ def plot_overoptimization(points: list[dict], path: str) -> None:
     gold_axis.set(ylabel="mean gold score")
     score_axis.legend(handles=score_axis.get_lines() + gold_axis.get_lines(), fontsize=8, loc="lower right")
     fig.tight_layout()
+    label_points(rate_axis, [(p["mean_kl_to_sft"], p["gold_win_rate"]) for p in points], [p["label"] for p in points])
     save_figure(fig, path)
     plt.close(fig)
+
+
+def label_points(axis, points: list[tuple[float, float]], labels: list[str]) -> None:
+    """Each point's label (points in data coordinates, the figure laid out) beside it or, where it would cover a label
+    placed before it or a marker of the axis' lines, as near as it is free above or below, in steps of more than a
+    label's height (and a marker's), with a thin line back to its point. Each of those n things blocks at most 2 of the
+    2n + 1 places tried, so one is always free: labels never overlap, however close the points lie. Inside the axes
+    where a free place is."""
+    from matplotlib.transforms import Bbox
+
+    figure = axis.figure
+    figure.canvas.draw()  # the final limits and layout: where each point lands on the canvas
+    renderer, pixels_per_point = figure.canvas.get_renderer(), figure.dpi / 72
+    frame, placed = axis.get_window_extent(renderer), []
+    markers = [Bbox.from_bounds(x - r, y - r, 2 * r, 2 * r) for line in axis.get_lines() if line.get_marker() != "None"
+               for r in [line.get_markersize() * pixels_per_point / 2]
+               for x, y in axis.transData.transform(line.get_xydata())]
+    for (x, y), label in zip(points, labels):
+        left = axis.transData.transform((x, y))[0] > frame.x0 + 0.7 * frame.width  # near the right edge: to the left
+        text = axis.annotate(label, (x, y), xytext=(-6 if left else 6, 0), textcoords="offset points", fontsize=7,
+                             ha="right" if left else "left", va="center")
+        height = max([text.get_window_extent(renderer).height] + [box.height for box in markers])
+        step = (height + 2) / pixels_per_point  # in points
+        obstacles, boxes = placed + markers, {}
+        for k in sorted(range(-len(obstacles), len(obstacles) + 1), key=lambda k: (abs(k), k < 0)):  # 0, 1, -1, ...
+            text.xyann = (text.xyann[0], k * step)
+            boxes[k] = text.get_window_extent(renderer)
+        free = [k for k, box in boxes.items() if not any(box.overlaps(other) for other in obstacles)]
+        inside = [k for k in free if frame.contains(*boxes[k].p0) and frame.contains(*boxes[k].p1)]
+        k = (inside or free)[0]
+        text.xyann = (text.xyann[0], k * step)
+        if k:
+            axis.annotate("", (x, y), xytext=text.xyann, textcoords="offset points",
+                          arrowprops={"arrowstyle": "-", "color": "gray", "linewidth": 0.5})
+        placed.append(boxes[k])
 
 
 if __name__ == "__main__":

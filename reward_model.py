@@ -5,12 +5,14 @@ that the preferred response of each pair scores higher (InstructGPT eq. 1, a Bra
 
     loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))          (rlhf_math.pairwise_reward_loss)
 
-The score of a sequence is the head's output at its last real token, the EOS that ends the response: the same
-place where ppo.py reads it and where its score lands. After training, the policy that PPO starts from (the SFT model)
-answers training prompts, and the mean and standard deviation of the scores of its responses are stored in the
-checkpoint's config.json as `reward_mean` and `reward_std`; ppo.py and evaluate.py use (score - reward_mean) /
-reward_std, which has mean 0 and standard deviation 1 where PPO starts (reward normalization with a gain and a bias,
-Ziegler et al. 2019).
+The score of a sequence is the head's output at its last real token: the EOS that ends every response it trains on,
+the place where ppo.py reads it and where its score lands. A response cut at the length limit has no EOS and is scored
+at its last token, by the normalization as by ppo.py (unless its --missing-eos-penalty replaces that score). After
+training, the policy that PPO starts from (the SFT model) answers training prompts, and the mean and standard
+deviation of the scores of its responses, the cut ones included, are stored in the checkpoint's config.json as
+`reward_mean` and `reward_std`; ppo.py and evaluate.py use (score - reward_mean) / reward_std, which has mean 0 and
+standard deviation 1 on those responses, and about that on PPO's first rollouts when they sample that policy at the
+same temperature and length (ppo.py warns otherwise): reward normalization with a gain and a bias (Ziegler et al. 2019).
 
     python reward_model.py                                   # the bundled toy task, from checkpoints/sft
     deepspeed --num_gpus 2 reward_model.py --zero-stage 3    # the same, on 2 ranks with ZeRO-3
@@ -58,7 +60,8 @@ class Args:
     wandb_project_name: str = "ppo-rlhf"
     """the wandb project, with --track"""
     logging_steps: PositiveInt = 10
-    """print and log the train loss and accuracy every this many optimizer steps"""
+    """print and log the train loss and accuracy (means over the optimizer steps since the last log) every this many
+    optimizer steps, and at the last"""
 
     # Model and data
     model_name_or_path: str = "checkpoints/sft"
@@ -112,8 +115,9 @@ class Args:
 
     # Reward normalization: the scores of the policy's own responses set reward_mean and reward_std
     normalization_samples: int = 1024
-    """responses sampled from the policy for training prompts, after training; their scores' mean and standard
-    deviation are stored as reward_mean and reward_std, so that the normalized score has mean 0 and std 1 on them"""
+    """responses sampled from the policy for training prompts, after training (rounded up to a multiple of the ranks);
+    their scores' mean and standard deviation are stored as reward_mean and reward_std, so that the normalized score
+    has mean 0 and std 1 on them"""
     policy_model_name_or_path: str | None = None
     """the policy that samples them, the one PPO starts from; --model-name-or-path (the SFT model) when not set"""
     max_new_tokens: PositiveInt = 24
@@ -156,7 +160,8 @@ def main(args: Args) -> None:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    # Tokenizer, with a pad token distinct from EOS: the score is read at the EOS, which must not look like padding.
+    # Tokenizer, with a pad token distinct from EOS: the score is read at the EOS, which Hugging Face's own pooling
+    # (the saved model's logits, read by any tool) would take for padding, and skip, if pad were EOS.
     model_hint = "train stage 1 first (python sft.py) or check --model-name-or-path"
     plumbing.check_model_folder(args.model_name_or_path, model_hint)
     if args.policy_model_name_or_path is not None:
@@ -239,48 +244,50 @@ def main(args: Args) -> None:
         print(f"{len(train_data)} train / {len(eval_data)} eval pairs; {args.num_training_steps} optimizer steps "
               f"of {args.batch_size} pairs")
 
-    # TRAINING LOOP
+    # TRAINING LOOP: each optimizer step accumulates the gradients of gradient_accumulation_steps micro-batches.
     start_time = time.time()
     step = 0
+    running = torch.zeros(2, device=device)  # [loss, accuracy] summed over the micro-batches since the last log
     progress = tqdm(total=args.num_training_steps, desc="reward model", disable=not is_main)
     for epoch in range(args.num_train_epochs):
         train_sampler.set_epoch(epoch)
-        running = torch.zeros(2, device=device)  # [loss, accuracy] summed over micro-batches
-        for micro_step, batch in enumerate(train_loader):
-            if micro_step >= steps_per_epoch * args.gradient_accumulation_steps:
-                break  # a last, incomplete accumulation would take a step on fewer pairs
-            # ALGO LOGIC: score chosen and rejected in one forward pass, then the pairwise (Bradley-Terry) loss.
-            scores = sequence_scores(engine.module, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            chosen_scores, rejected_scores = scores.chunk(2)
-            loss, accuracy = rlhf_math.pairwise_reward_loss(chosen_scores, rejected_scores)
-            if not torch.isfinite(loss) and step == 0:
-                plumbing.fail(f"the loss of the first micro-batch is {loss.item()}, before any training: the model's "
-                              f"forward pass gives non-finite numbers; check --model-name-or-path (with --dtype "
-                              f"{args.dtype}, try fp32)")
-            if not torch.isfinite(loss):
-                plumbing.fail(f"the loss became {loss.item()} at step {step}; lower --learning-rate or use --dtype "
-                              "fp32")
-            engine.backward(loss)
-            engine.step()  # steps the optimizer and scheduler only at the end of each accumulation
-            running += torch.stack([loss.detach(), accuracy])
-            if engine.is_gradient_accumulation_boundary():
-                step += 1
-                progress.update()
-                if step % args.logging_steps == 0:
-                    dist.all_reduce(running)
-                    mean_loss, mean_accuracy = (running / (args.logging_steps * args.gradient_accumulation_steps
-                                                           * args.world_size)).tolist()
-                    running.zero_()
-                    if is_main:
-                        lr = scheduler.get_last_lr()[0]
-                        sps = step / (time.time() - start_time)
-                        progress.set_postfix(loss=f"{mean_loss:.4f}", accuracy=f"{mean_accuracy:.3f}")
-                        writer.add_scalar("train/loss", mean_loss, step)
-                        writer.add_scalar("train/accuracy", mean_accuracy, step)
-                        writer.add_scalar("train/lr", lr, step)
-                        writer.add_scalar("charts/steps_per_second", sps, step)
-                        progress.write(f"step {step}: train loss {mean_loss:.4f}, accuracy {mean_accuracy:.3f}, "
-                                       f"lr {lr:.2e}, {sps:.1f} steps/s")
+        micro_batches = iter(train_loader)
+        for _ in range(steps_per_epoch):  # an epoch's last, incomplete accumulation would take a step on fewer pairs
+            for _ in range(args.gradient_accumulation_steps):
+                batch = next(micro_batches)
+                # ALGO LOGIC: score chosen and rejected in one forward pass, then the pairwise (Bradley-Terry) loss.
+                scores = sequence_scores(engine.module, batch["input_ids"].to(device),
+                                         batch["attention_mask"].to(device))
+                chosen_scores, rejected_scores = scores.chunk(2)
+                loss, accuracy = rlhf_math.pairwise_reward_loss(chosen_scores, rejected_scores)
+                if not torch.isfinite(loss) and step == 0:
+                    plumbing.fail(f"the loss is {loss.item()} before any training: the model's forward pass gives "
+                                  f"non-finite numbers; check --model-name-or-path (with --dtype {args.dtype}, try "
+                                  "fp32)")
+                if not torch.isfinite(loss):
+                    plumbing.fail(f"the loss became {loss.item()} at step {step}; lower --learning-rate or use "
+                                  "--dtype fp32")
+                engine.backward(loss)
+                engine.step()  # steps the optimizer and scheduler only after the accumulation's last micro-batch
+                running += torch.stack([loss.detach(), accuracy])
+            step += 1
+            progress.update()
+            if step % args.logging_steps == 0 or step == args.num_training_steps:
+                window = (step - 1) % args.logging_steps + 1  # optimizer steps since the last log; fewer in the last
+                dist.all_reduce(running)
+                mean_loss, mean_accuracy = (running / (window * args.gradient_accumulation_steps
+                                                       * args.world_size)).tolist()
+                running.zero_()
+                if is_main:
+                    lr = scheduler.get_last_lr()[0]
+                    sps = step / (time.time() - start_time)
+                    progress.set_postfix(loss=f"{mean_loss:.4f}", accuracy=f"{mean_accuracy:.3f}")
+                    writer.add_scalar("train/loss", mean_loss, step)
+                    writer.add_scalar("train/accuracy", mean_accuracy, step)
+                    writer.add_scalar("train/lr", lr, step)
+                    writer.add_scalar("charts/steps_per_second", sps, step)
+                    progress.write(f"step {step}: train loss {mean_loss:.4f}, accuracy {mean_accuracy:.3f}, "
+                                   f"lr {lr:.2e}, {sps:.1f} steps/s")
     progress.close()
 
     # Held-out figures: each rank evaluates every world_size-th pair, so that together they cover the split once; a
@@ -297,8 +304,9 @@ def main(args: Args) -> None:
 
     # REWARD NORMALIZATION (Ziegler et al. 2019; lm-human-preferences' gain and bias). The policy PPO starts from
     # answers training prompts, sampled as ppo.py samples, and the mean and standard deviation of the trained model's
-    # scores of those responses go into config.json. ppo.py and evaluate.py use (score - reward_mean) / reward_std:
-    # mean 0 and std 1 where PPO starts, so --clip-score and --kl-coef mean the same whatever the model's own scale.
+    # scores of those responses (a response cut at --max-new-tokens scored at its last token, as ppo.py scores it)
+    # go into config.json. ppo.py and evaluate.py use (score - reward_mean) / reward_std: mean 0 and std 1 on them,
+    # about that where PPO starts, so --clip-score and --kl-coef mean the same whatever the model's own scale.
     engine.eval()
     policy_path = args.policy_model_name_or_path or args.model_name_or_path
     policy = plumbing.load_pretrained(AutoModelForCausalLM, policy_path, "check --policy-model-name-or-path",
@@ -379,7 +387,8 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
     """Each pair as two token-id lists, prompt + chosen + EOS and prompt + rejected + EOS.
 
     Prompt and response are tokenized separately and their ids concatenated, as sft.py and ppo.py do, so that the
-    reward model sees exactly the token sequences that the policy produces.
+    reward model reads each prompt in the tokens ppo.py gives the policy, and each response in the tokens sft.py taught
+    the policy to produce.
     """
     examples, too_long, same = [], 0, 0
     for i, row in enumerate(data):
@@ -402,7 +411,7 @@ def tokenize_pairs(data, tokenizer, args: Args, split: str) -> list[dict]:
         if max(len(s) for s in sides) > args.max_seq_len:
             too_long += 1
             continue
-        if sides[0] == sides[1]:  # no preference: the loss's gradient is 0, and the pair is never ranked right
+        if sides[0] == sides[1]:  # no preference: with dropout off the loss's gradient is 0; never ranked right
             same += 1
             continue
         examples.append({"prompt": ids, "chosen": sides[0], "rejected": sides[1]})
@@ -463,7 +472,8 @@ def deepspeed_config(args: Args) -> dict:
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The reward r(x, y) of each right-padded sequence: the scalar head at its last real token (the EOS).
+    """The reward r(x, y) of each right-padded sequence: the scalar head at its last real token (the EOS; the last
+    response token of a normalization response cut at --max-new-tokens, as ppo.reward_scores reads it).
 
     The head is applied at every position ([B, T] scores, one after each prefix) and read at the last one, instead of
     letting Hugging Face pool it, so that this is visibly the same computation as ppo.py's.

@@ -48,7 +48,8 @@ class Args:
     wandb_project_name: str = "ppo-rlhf"
     """the wandb project, with --track"""
     logging_steps: PositiveInt = 10
-    """print and log the train loss every this many optimizer steps"""
+    """print and log the train loss (the mean over the optimizer steps since the last log) every this many optimizer
+    steps, and at the last"""
 
     # Model and data
     model_name_or_path: str = "toy_task/base_model"
@@ -203,11 +204,11 @@ def main(args: Args) -> None:
     # TRAINING LOOP: each optimizer step accumulates the gradients of gradient_accumulation_steps micro-batches.
     start_time = time.time()
     step = 0
+    running_loss = torch.zeros((), device=device)  # summed over the micro-batches since the last log, across epochs
     progress = tqdm(total=args.num_training_steps, desc="sft", disable=not is_main)
     for epoch in range(args.num_train_epochs):
         train_sampler.set_epoch(epoch)
         micro_batches = iter(train_loader)
-        running_loss = torch.zeros((), device=device)
         for _ in range(steps_per_epoch):
             for _ in range(args.gradient_accumulation_steps):
                 batch = {k: v.to(device) for k, v in next(micro_batches).items()}
@@ -221,8 +222,9 @@ def main(args: Args) -> None:
                 running_loss += loss.detach()
             step += 1
             progress.update()
-            if step % args.logging_steps == 0:
-                mean_loss = running_loss / (args.logging_steps * args.gradient_accumulation_steps)
+            if step % args.logging_steps == 0 or step == args.num_training_steps:
+                window = (step - 1) % args.logging_steps + 1  # optimizer steps since the last log; fewer in the last
+                mean_loss = running_loss / (window * args.gradient_accumulation_steps)
                 dist.all_reduce(mean_loss)
                 mean_loss = mean_loss.item() / args.world_size
                 running_loss.zero_()

@@ -1,6 +1,7 @@
 """The evaluation's judges and statistics, checked by hand: the toy task's gold judge (toy_task/gold_judge.py), and
-the win rate and rank correlation of evaluate.py; then evaluate.py's checks of its inputs and its reading of the
-training run's metrics, in-process (one model is loaded, the toy one, for its precision)."""
+the win rate and rank correlation of evaluate.py; then evaluate.py's checks of its inputs, its reading of the
+training run's metrics and what its pictures show (the title, the snapshot labels), in-process (one model is loaded,
+the toy one, for its precision)."""
 
 import json
 import math
@@ -11,6 +12,7 @@ import datasets
 import pytest
 import torch
 import tyro
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 import evaluate
 import plumbing
@@ -227,3 +229,51 @@ def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys)
                                                                                      metrics_file=str(other)))
     other.write_text(metrics_row(1, 0.1) + "\n")
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor), metrics_file=str(other))) == str(other)
+
+
+def drawn_figure(monkeypatch, plot, *args):
+    """The figure that plot(*args) hands to evaluate.save_figure (its file still written), on a canvas of its own
+    again (plt.close took the figure's) and drawn, as it was saved."""
+    figures, save_figure = [], evaluate.save_figure
+
+    def keeping_save_figure(fig, path):
+        save_figure(fig, path)
+        figures.append(fig)
+
+    monkeypatch.setattr(evaluate, "save_figure", keeping_save_figure)
+    plot(*args)
+    (fig,) = figures
+    FigureCanvasAgg(fig).draw()
+    return fig
+
+
+def test_the_training_picture_is_titled_with_the_run_name(tmp_path, monkeypatch):
+    metrics = tmp_path / "runs" / "ppo__1__1700000000" / "metrics.jsonl"  # where ppo.py writes it, an absolute path
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(metrics_row(1, 0.1) + "\n" + metrics_row(2, 0.2) + "\n")
+    fig = drawn_figure(monkeypatch, evaluate.plot_training, str(metrics), str(tmp_path / "ppo_training.png"))
+    assert fig.get_suptitle() == "ppo__1__1700000000"
+
+
+@pytest.mark.parametrize("spread", [0.0, 0.02])  # the same point; about a label's height apart
+def test_the_snapshot_labels_never_overlap(tmp_path, monkeypatch, spread):
+    """Eight snapshots whose points lie within `spread` of one another (KL and gold win rate), beside the axes' right
+    edge: no two labels' boxes on the drawn canvas overlap, none covers a plotted point, and every label is drawn
+    once."""
+    labels = ["SFT"] + [f"it {16 * i}" for i in range(1, 9)]
+    points = [{"label": label, "mean_kl_to_sft": 2.0 + spread * i, "gold_win_rate": 0.6 + spread * i,
+               "win_rate": 0.7, "parse_rate": 0.9, "mean_score": 0.5, "mean_gold_score": 1.0}
+              for i, label in enumerate(labels)]
+    points[0]["mean_kl_to_sft"] = 0.0  # the SFT policy's own KL, far to the left
+    fig = drawn_figure(monkeypatch, evaluate.plot_overoptimization, points, str(tmp_path / "overoptimization.png"))
+    renderer = fig.canvas.get_renderer()
+    texts = [text for text in fig.axes[0].texts if text.get_text()]
+    assert sorted(text.get_text() for text in texts) == sorted(labels)
+    boxes = [text.get_window_extent(renderer) for text in texts]
+    for i, box in enumerate(boxes):
+        for j, other in enumerate(boxes[:i]):
+            assert not box.overlaps(other), (texts[i].get_text(), texts[j].get_text())
+    axis = fig.axes[0]
+    for line in axis.get_lines():
+        for x, y in axis.transData.transform(line.get_xydata()):
+            assert not any(box.contains(x, y) for box in boxes), (line.get_label(), x, y)

@@ -254,6 +254,140 @@ def test_every_logged_metric_is_in_the_readme(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# What the stages log, against what they trained: each train/ figure is the mean over exactly its window of
+# optimizer steps (logging_steps of them, fewer in the last), whatever the epochs and the gradient accumulation
+# ---------------------------------------------------------------------------------------------------------------
+def recorded_run(script, flags, patch):
+    """`python script flags` run here (run_in_process, exp_name `test_windows`, its runs/ folder removed after),
+    recording with `patch` (a pytest.MonkeyPatch) what the run itself does: each training micro-batch's loss as
+    DeepSpeed's backward receives it (and, for the reward model, its accuracy, from rlhf_math.pairwise_reward_loss
+    with gradients on); the learning rate after each optimizer step (DeepSpeed's engine.global_steps after its step:
+    lr), and each scalar logged, with the optimizer steps the engine had taken when it was logged."""
+    recorded = {"micro_batches": [], "accuracies": [], "lr_after": {}, "logged": {}}
+    engines, backward, step = [], deepspeed.runtime.engine.DeepSpeedEngine.backward, \
+        deepspeed.runtime.engine.DeepSpeedEngine.step
+    add_scalar, pairwise_reward_loss = SummaryWriter.add_scalar, rlhf_math.pairwise_reward_loss
+
+    def recording_backward(engine, loss, *args, **kwargs):
+        engines[:] = [engine]
+        recorded["micro_batches"].append(loss.item())
+        return backward(engine, loss, *args, **kwargs)
+
+    def recording_step(engine, *args, **kwargs):
+        result = step(engine, *args, **kwargs)
+        recorded["lr_after"][engine.global_steps] = engine.get_lr()[0]
+        return result
+
+    def recording_pairwise_reward_loss(*args, **kwargs):
+        loss, accuracy = pairwise_reward_loss(*args, **kwargs)
+        if torch.is_grad_enabled():  # training, not the held-out evaluation
+            recorded["accuracies"].append(accuracy.item())
+        return loss, accuracy
+
+    def recording_add_scalar(writer, tag, value, global_step=None, *args, **kwargs):
+        recorded["logged"].setdefault(tag, []).append((global_step, value, engines[0].global_steps if engines else 0))
+        return add_scalar(writer, tag, value, global_step, *args, **kwargs)
+
+    patch.setattr(deepspeed.runtime.engine.DeepSpeedEngine, "backward", recording_backward)
+    patch.setattr(deepspeed.runtime.engine.DeepSpeedEngine, "step", recording_step)
+    patch.setattr(rlhf_math, "pairwise_reward_loss", recording_pairwise_reward_loss)
+    patch.setattr(SummaryWriter, "add_scalar", recording_add_scalar)
+    try:
+        assert run_in_process(script, [*flags, "--exp-name", "test_windows"], must_stop=False) is None
+    finally:
+        for folder in glob.glob("runs/test_windows__*"):
+            shutil.rmtree(folder)
+    return recorded
+
+
+def check_windows(recorded, accumulation, logging_steps, names):
+    """Each train/NAME (names: "loss", and "accuracy" for the reward model) is logged at every logging_steps-th
+    optimizer step and at the last, when the engine has taken exactly that many optimizer steps, as the mean of the
+    micro-batches of the optimizer steps since the previous log; train/lr at step s is the learning rate after
+    optimizer step s."""
+    per_micro_batch = {"loss": recorded["micro_batches"], "accuracy": recorded["accuracies"]}
+    steps = max(recorded["lr_after"])  # the optimizer steps of the run
+    assert len(recorded["micro_batches"]) == steps * accumulation  # each step whole, every micro-batch once
+    expected_steps = sorted({*range(logging_steps, steps + 1, logging_steps), steps})
+    for name in [*names, "lr"]:
+        logged = recorded["logged"][f"train/{name}"]
+        assert [s for s, _, _ in logged] == expected_steps, name
+        assert all(taken == s for s, _, taken in logged), (name, logged)
+    for name in names:
+        previous = 0
+        for s, value, _ in recorded["logged"][f"train/{name}"]:
+            window = per_micro_batch[name][previous * accumulation : s * accumulation]
+            assert value == pytest.approx(sum(window) / len(window), rel=1e-5, abs=1e-6), (name, s)
+            previous = s
+    for s, lr, _ in recorded["logged"]["train/lr"]:
+        assert lr == pytest.approx(recorded["lr_after"][s], rel=1e-9), s
+
+
+def test_sft_logs_each_window_of_steps_across_epochs(tmp_path):
+    """Two epochs of 2 optimizer steps (40 rows in micro-batches of 8, accumulation 2: the 5th micro-batch of each
+    epoch is left out), logged every 3 steps: the first window spans both epochs (steps 1-3), the last is step 4
+    alone."""
+    with pytest.MonkeyPatch.context() as patch:
+        recorded = recorded_run("sft.py", ["--train-split", "train[:40]", "--eval-split", "test[:8]",
+                                           "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", "2",
+                                           "--num-train-epochs", "2", "--logging-steps", "3",
+                                           "--output-dir", str(tmp_path / "sft")], patch)
+    assert max(recorded["lr_after"]) == 4
+    check_windows(recorded, accumulation=2, logging_steps=3, names=["loss"])
+
+
+@pytest.fixture(scope="module")
+def reward_model_windows(tmp_path_factory):
+    """reward_model.py at gradient accumulation 2 and 3 (logged every 4 and 3 optimizer steps), two epochs of 56
+    pairs in micro-batches of 8 each, recorded (recorded_run), and each run's held-out split of 7 pairs. This process
+    evaluates rank 1's share of that split on 2 ranks (plumbing.rank_share patched to rank 1 of 2): pairs 1, 3 and
+    5, and the filler pair that keeps it in step with rank 0's four, which must count for nothing."""
+    root, runs = tmp_path_factory.mktemp("rm_windows"), {}
+    for accumulation, logging_steps in [(2, 4), (3, 3)]:
+        out = root / f"rm_{accumulation}"
+        with pytest.MonkeyPatch.context() as patch:
+            share = plumbing.rank_share
+            patch.setattr(plumbing, "rank_share", lambda rows, rank, world_size, filler: share(rows, 1, 2, filler))
+            recorded = recorded_run("reward_model.py", [
+                "--model-name-or-path", BASE_MODEL, "--train-split", "train[:56]", "--eval-split", "test[:7]",
+                "--per-device-train-batch-size", "8", "--gradient-accumulation-steps", str(accumulation),
+                "--num-train-epochs", "2", "--logging-steps", str(logging_steps), "--normalization-samples", "2",
+                "--max-new-tokens", "4", "--output-dir", str(out)], patch)
+        runs[accumulation] = (recorded, logging_steps, str(out))
+    return runs
+
+
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_reward_model_logs_each_window_of_steps_under_accumulation(reward_model_windows, accumulation):
+    """DeepSpeed's is_gradient_accumulation_boundary(), asked after engine.step(), answers for the next micro-batch:
+    the step count, the learning rate read and the windows would run one micro-batch early."""
+    recorded, logging_steps, _ = reward_model_windows[accumulation]
+    check_windows(recorded, accumulation, logging_steps, names=["loss", "accuracy"])
+
+
+def test_reward_model_held_out_figures_leave_out_the_filler_pair(reward_model_windows):
+    """eval/loss, eval/accuracy, eval/chosen_score and eval/rejected_score are those of this rank's pairs alone (1, 3
+    and 5 of the 7), each scored again here by the saved model's own pooling: the filler pair (a copy of pair 0)
+    counts for nothing."""
+    columns = ["prompt", "chosen", "rejected"]
+    for recorded, _, out in reward_model_windows.values():
+        tokenizer = check_tokenizer(out)
+        pairs = reward_model.tokenize_pairs(plumbing.load_split("toy_task/data", "test[:7]", columns), tokenizer,
+                                            reward_model.Args(), "test[:7]")
+        assert len(pairs) == 7
+        model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+        with torch.no_grad():
+            chosen, rejected = (torch.stack([model(torch.tensor([pair[side]])).logits[0, 0] for pair in pairs[1::2]])
+                                for side in ("chosen", "rejected"))
+        expected = {"loss": -torch.nn.functional.logsigmoid(chosen - rejected).mean().item(),
+                    "accuracy": (chosen > rejected).float().mean().item(), "chosen_score": chosen.mean().item(),
+                    "rejected_score": rejected.mean().item()}
+        for name, value in expected.items():
+            ((_, logged, _),) = recorded["logged"][f"eval/{name}"]
+            assert logged == pytest.approx(value, rel=1e-4, abs=1e-5), (name, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Bad input: a one-line error that names what to fix, before any training
 # ---------------------------------------------------------------------------------------------------------------
 def run_in_process(script, argv, must_stop=True):
