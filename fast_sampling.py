@@ -66,8 +66,8 @@ def sample_static(sampler: dict, actor, prompt_ids, prompt_mask, config: Generat
     for t in range(R):
         step = sampler["step"] if t else decode_step  # the prompt's pass, in the prompt's shape, runs eager
         _, tokens, running = step(model, cache, tokens, attention_mask, position_ids, running, config)
-        tokens, running = tokens.clone(), running.clone()  # the next replay overwrites a recorded graph's outputs
-        responses.append(tokens)
+        # A copy: the next replay overwrites a recorded graph's outputs (running and tokens are read before it).
+        responses.append(tokens.clone())
         if t % 16 == 15 and not running.any():  # a host sync every 16 tokens, not every token
             break
         position_ids = position_ids[:, -1:] + 1

@@ -1,11 +1,13 @@
 """fast_sampling.py, ppo.py's --sampler static, on a CPU: its decode step compiled (the CUDA graph needs a GPU:
-gpu_check.sh), its logits those of the eager forward, its tokens drawn from the policy as ppo.sample draws them, every
-response run to its EOS or the length limit, its kept copy of the actor, and its one recording for a whole run under
-ZeRO-3."""
+gpu_check.sh runs the checks of its logits, tokens and lengths on CUDA, FAST_SAMPLING_TEST_DEVICE=cuda), its logits
+those of the eager forward, its tokens drawn from the policy as ppo.sample draws them, every response run to its EOS or
+the length limit, the same tokens from a recorded step whose outputs each replay overwrites, its kept copy of the
+actor, and its one recording for a whole run under ZeRO-3."""
 
 import functools
 import glob
 import math
+import os
 import shutil
 import types
 
@@ -23,6 +25,8 @@ from test_ppo import FEW_ITERATIONS, read_metrics, tiny_models
 from test_sft_and_reward_model import run_in_process
 
 R = 40  # tokens a rollout: past the stop check at 16 and 32 (read every 16 tokens), as ppo.py's defaults (24) are
+# Where the sampler's checks run: this CPU, or (gpu_check.sh) CUDA, where the recorded step is a CUDA graph's replay.
+DEVICE = torch.device(os.environ.get("FAST_SAMPLING_TEST_DEVICE", "cpu"))
 
 
 def static_rollouts(model, ids, mask, config, prompt_len, seeds):
@@ -31,7 +35,7 @@ def static_rollouts(model, ids, mask, config, prompt_len, seeds):
     response has stopped). One recording in all."""
     sampler = fast_sampling.static_sampler(types.SimpleNamespace(module=model), config, False,
                                            ppo.Args(max_prompt_len=prompt_len, per_device_rollout_batch_size=len(ids)),
-                                           torch.device("cpu"))
+                                           DEVICE)
     step, logits, rollouts = sampler["step"], [], []
 
     def recorded(*inputs):  # the compiled step, its logits kept
@@ -64,23 +68,23 @@ def static_draws():
     """sample_static on the bundled model in bf16: 4 prompts x 16 rows, 6 rollouts of R tokens at temperature 0.7,
     and 6 of ppo.sample. For each static rollout: its responses [64, R], the logits z that its compiled step drew
     tokens 2 to R from, and the eager forward's logits of every response token on the same sequences, in bf16 and in
-    fp32 ([64, R, V] each), scaled and suppressed alike."""
+    fp32 ([64, R, V] each), scaled and suppressed alike. Sampled on DEVICE, returned on the CPU."""
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16).eval()
-    exact = AutoModelForCausalLM.from_pretrained(BASE_MODEL).eval()
+    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16).to(DEVICE).eval()
+    exact = AutoModelForCausalLM.from_pretrained(BASE_MODEL).to(DEVICE).eval()
     config = ppo.sampling_config(tokenizer, R, 0.7)
     prompts = tokenizer(["The story", "I watched this film last night and", "We", "The acting was"] * 16,
-                        padding=True, return_tensors="pt")
+                        padding=True, return_tensors="pt").to(DEVICE)
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     draws = []
     for responses, z in static_rollouts(model, ids, mask, config, 16, range(6)):  # prompts padded from 9 to 16
         eager = [scaled_logits(m, ids, mask, responses, config) for m in (model, exact)]
-        draws.append((responses, z, *eager))
+        draws.append(tuple(t.cpu() for t in (responses, z, *eager)))
     eager_responses = []
     with torch.no_grad():
         for seed in range(6):
             torch.manual_seed(seed)
-            eager_responses.append(ppo.sample(model, ids, mask, config, False))
+            eager_responses.append(ppo.sample(model, ids, mask, config, False).cpu())
     return draws, torch.cat(eager_responses), tokenizer
 
 
@@ -138,6 +142,53 @@ def test_static_sampling_runs_every_response_to_its_end(static_draws):
     share = (static_open + eager_open) / 2
     standard_error = (2 * share * (1 - share) / len(static)).sqrt()
     assert ((static_open - eager_open).abs() <= 5 * standard_error + 1e-9).all(), (static_open, eager_open)
+
+
+def test_a_recorded_step_that_overwrites_its_outputs_gives_the_eager_tokens(monkeypatch):
+    """On CUDA the recorded decode step returns the same output tensors at every replay, and the next replay
+    overwrites them (fast_sampling.cuda_graph): sample_static must take each step's tokens out before the next step, or
+    every response would end up repeating its last token. Here the step is replayed by replay_into_kept_outputs, a
+    stand-in for the graph on any device: from the same seed, the tokens of the eager step, which returns new tensors.
+    (Uncompiled: the contract, not the compiler.)"""
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(BASE_MODEL).to(DEVICE).eval()
+    config = ppo.sampling_config(tokenizer, 24, 1.0)
+    prompts = tokenizer(["The story", "I watched this film last night and", "We", "The acting was"] * 2,
+                        padding=True, return_tensors="pt").to(DEVICE)
+    sampler = fast_sampling.static_sampler(types.SimpleNamespace(module=model), config, False,
+                                           ppo.Args(max_prompt_len=16, per_device_rollout_batch_size=8), DEVICE)
+    responses = []
+    for step in [fast_sampling.decode_step, replay_into_kept_outputs(fast_sampling.decode_step)]:
+        sampler["step"] = step
+        torch.manual_seed(0)
+        with torch.no_grad():
+            responses.append(fast_sampling.sample_static(sampler, model, prompts["input_ids"],
+                                                         prompts["attention_mask"], config))
+    eager, replayed = responses
+    assert (eager[:, 1:] != eager[:, -1:]).any(), "the premise: responses that do not repeat their last token"
+    assert torch.equal(replayed, eager)
+
+
+def replay_into_kept_outputs(step):
+    """step as a replay of fast_sampling.cuda_graph returns it: each call copies its tensor inputs into tensors it
+    keeps, runs step on them, and writes the outputs into the tensors it returned the first time, which it returns
+    again; what one call returned, the next overwrites."""
+    kept_inputs, kept_outputs = [], []
+
+    def replay(*inputs):
+        if not kept_inputs:
+            kept_inputs.extend(x.clone() if torch.is_tensor(x) else x for x in inputs)
+        for kept, new in zip(kept_inputs, inputs):
+            if torch.is_tensor(new):
+                kept.copy_(new)
+        outputs = step(*kept_inputs)
+        if not kept_outputs:
+            kept_outputs.extend(torch.empty_like(output) for output in outputs)
+        for kept, output in zip(kept_outputs, outputs):
+            kept.copy_(output)
+        return tuple(kept_outputs)
+    return replay
 
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
