@@ -15,6 +15,13 @@ open(os.path.join(EXTENSIONS, "deepspeed_shm_comm", "lock"), "w").close()
 os.environ["TORCH_EXTENSIONS_DIR"] = EXTENSIONS
 atexit.register(shutil.rmtree, EXTENSIONS, ignore_errors=True)
 
+# The tests run in a working folder of their own, as a user runs the stages from a folder of theirs: what a stage
+# writes where it runs (runs/, checkpoints/, benchmark.json) goes with it, and the checkout stays as it was found. The
+# tests name each script by its path in the checkout (test_sft_and_reward_model.run), the toy task as plumbing.TOY_TASK.
+WORKING_FOLDER = tempfile.mkdtemp(prefix="ppo_rlhf_tests_")
+os.chdir(WORKING_FOLDER)
+atexit.register(shutil.rmtree, WORKING_FOLDER, ignore_errors=True)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

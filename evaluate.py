@@ -15,8 +15,10 @@ policy along training: where the proxy keeps rising and the truth stops, PPO is 
     python evaluate.py                 # after sft.py, reward_model.py and ppo.py on the bundled toy task
 """
 
+import io
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -49,7 +51,7 @@ class Args:
     when not set (skipped if there is none)"""
     snapshot_prompts: PositiveInt = 200
     """held-out prompts answered by each snapshot"""
-    dataset: str = "toy_task/data"
+    dataset: str = os.path.join(plumbing.TOY_TASK, "data")
     """the prompts' data set, as ppo.py's --dataset: a hub name, or a local .json/.jsonl/.parquet file or folder"""
     split: str = "test"
     """the held-out split whose prompts are answered"""
@@ -88,6 +90,9 @@ def main(args: Args) -> None:
     plumbing.check_ranges(args)  # bad flags stop here, before anything is loaded
     if args.snapshots_dir is None:
         args.snapshots_dir = os.path.join(os.path.dirname(args.ppo_model.rstrip("/")), "snapshots")
+    elif not os.path.isdir(args.snapshots_dir):
+        plumbing.fail(f"--snapshots-dir {args.snapshots_dir!r} is no folder; name the snapshots/ folder of a ppo.py "
+                      "run with --snapshot-every N, or leave the flag out")
     check_evaluation_dir(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -205,8 +210,8 @@ OUTPUTS = ["evaluation.json", "ppo_training.png", "overoptimization.png"]  # wha
 
 def check_evaluation_dir(args: Args) -> None:
     """OUTPUT_DIR must not be, hold or sit inside an input (plumbing.check_output_dir), and must be writable, and its
-    files (OUTPUTS) are neither links nor folders: checked before any model loads, so that an evaluation never runs to
-    the end to find that it cannot be saved."""
+    files (OUTPUTS, each written whole, never through a link: plumbing.write_whole) are neither links nor folders:
+    checked before any model loads, so that an evaluation never runs to the end to find that it cannot be saved."""
     plumbing.check_output_dir(args.output_dir, {f"--{name.replace('_', '-')}": getattr(args, name) for name in (
         "sft_model", "ppo_model", "reward_model", "dataset", "snapshots_dir")})
     for path in [os.path.join(args.output_dir, name) for name in OUTPUTS]:
@@ -214,11 +219,10 @@ def check_evaluation_dir(args: Args) -> None:
             kind = "link" if os.path.islink(path) else "folder"
             plumbing.fail(f"{path!r}, where the evaluation writes, is a {kind}; move it away, or name another "
                           "--output-dir")
-    probe = os.path.join(args.output_dir, f".probe_{os.getpid()}")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
-        with plumbing.open_own(probe):
-            pass
+        fd, probe = tempfile.mkstemp(dir=args.output_dir)
+        os.close(fd)
         os.remove(probe)
     except OSError as error:
         plumbing.fail(f"cannot write to --output-dir {args.output_dir!r} ({error.strerror}); name a folder you can "
@@ -226,9 +230,10 @@ def check_evaluation_dir(args: Args) -> None:
 
 
 def training_metrics_file(args: Args) -> str | None:
-    """The metrics.jsonl to plot: --metrics-file, or the one that --ppo-model's training_run.json names (ppo.py
-    writes it into every actor folder it saves). None, with a line that says why, when there is none: the evaluation
-    goes on without the training picture."""
+    """The metrics.jsonl to plot: --metrics-file, or that of the run that --ppo-model's training_run.json names (ppo.py
+    writes it into every actor folder it saves): runs/RUN_NAME/metrics.jsonl in the working folder, where the run
+    logs, else the one the record names. None, with a line that says why, when there is none: the evaluation goes on
+    without the training picture."""
     if args.metrics_file is not None:
         if not os.path.isfile(args.metrics_file):
             plumbing.fail(f"no metrics file at {args.metrics_file!r}; check --metrics-file")
@@ -238,6 +243,10 @@ def training_metrics_file(args: Args) -> str | None:
         print(f"no training picture: {args.ppo_model!r} has no {plumbing.RECORD} that names the run that trained it "
               "(set --metrics-file)")
         return None
+    run_name = record.get("run_name", "")
+    here = os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))  # the project moved or copied
+    if plumbing.RUN_NAME.fullmatch(run_name) and os.path.isfile(here):
+        return here
     metrics_file = plumbing.run_metrics_file(record)  # None unless runs/RUN_NAME/metrics.jsonl of the record's run
     if metrics_file is None or not os.path.isfile(metrics_file):
         why = "is no runs/RUN_NAME/metrics.jsonl of its run" if metrics_file is None else "does not exist"
@@ -385,13 +394,11 @@ def read_metrics(metrics_file: str) -> list[dict]:
 
 
 def save_figure(fig, path: str) -> None:
-    """The picture as a PNG file, never written through a link, or one line (evaluation.json, written before any
-    picture, is whole)."""
-    try:
-        with plumbing.open_own(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-    except OSError as error:
-        plumbing.fail(f"cannot write {path!r} ({error.strerror}); {plumbing.write_fix(error)} and run again")
+    """The picture as a PNG file written whole, never through a link or a hard link (plumbing.write_whole), or one line
+    (evaluation.json, written before any picture, is whole)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    plumbing.write_whole(path, png.getvalue())
 
 
 def plot_training(metrics_file: str, path: str) -> None:

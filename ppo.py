@@ -631,7 +631,7 @@ class Args(Algorithm):
     """the reward model (stage 2), frozen; its score normalized by its config's: (score - reward_mean) / reward_std"""
     critic_model_name_or_path: str | None = None
     """where the critic starts; by default the reward model (the actor with a fresh head if it has other tokens)"""
-    dataset: str = "toy_task/data"
+    dataset: str = os.path.join(plumbing.TOY_TASK, "data")
     """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder; only prompts are used"""
     train_split: str = "train"
     """the split whose prompts are sampled"""
@@ -862,20 +862,20 @@ def check_update(new_logprobs, mb: dict, pg_loss, vf_loss, first_step: bool, ite
 
 # --- The output folder and --resume: what ppo.py's runs keep, for plumbing's start_run and checkpoints. ---
 # What --resume lets change: how the run is saved, logged, sampled or laid out in memory, not what it computes; where
-# its folders are now (the models', checked by content instead: plumbing.folder_identity); the fields filled at runtime.
+# its inputs are now (models, data sets: known by content, plumbing.folder_identity); the fields filled at runtime.
 RESUME_MAY_CHANGE = ["resume", "overwrite", "local_rank", "save_every", "sample_every", "snapshot_every", "trace_every",
                      "trace_response", "track", "wandb_project_name", "actor_zero_stage", "critic_zero_stage",
                      "offload", "offload_reference_model", "offload_reward_model", "gather_weights_for_rollout",
                      "actor_gradient_checkpointing", "critic_gradient_checkpointing", "sampler", "output_dir",
-                     "actor_model_name_or_path", "reward_model_name_or_path", "critic_model_name_or_path",
-                     "world_size", "batch_size", "per_device_mini_batch_size", "gradient_accumulation_steps",
-                     "num_iterations"]
+                     "actor_model_name_or_path", "reward_model_name_or_path", "critic_model_name_or_path", "dataset",
+                     "unsup_dataset", "world_size", "batch_size", "per_device_mini_batch_size",
+                     "gradient_accumulation_steps", "num_iterations"]
 OUTPUT_SUBFOLDERS = ["actor", "critic", "actor_ema", "snapshots", "resume"]  # what a run writes in --output-dir
 ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "returns", "mask"]  # a last_valid
 
 def new_or_resumed_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads, and the run: a new one, or the unfinished one that
-    --resume continues with its settings and models (plumbing.start_run); the output folder is none of its inputs."""
+    --resume continues with its settings and inputs (plumbing.start_run); the output folder is none of its inputs."""
     inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
               "--reward-model-name-or-path": args.reward_model_name_or_path,
               "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,

@@ -68,8 +68,9 @@ class Args:
     """the model the reward model starts from: the SFT checkpoint (stage 1), a hub name or a local folder"""
     tokenizer_name_or_path: str | None = None
     """the tokenizer, when the model's own is not the one to use"""
-    dataset: str = "toy_task/data"
-    """the preference pairs: a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder"""
+    dataset: str = os.path.join(plumbing.TOY_TASK, "data")
+    """the preference pairs: a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder (the
+    bundled toy task's by default, found from any working folder)"""
     train_split: str = "train"
     """the split of pairs to train on"""
     eval_split: str = "test"

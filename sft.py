@@ -52,12 +52,12 @@ class Args:
     steps, and at the last"""
 
     # Model and data
-    model_name_or_path: str = "toy_task/base_model"
-    """the base model: a Hugging Face hub name or a local folder"""
+    model_name_or_path: str = os.path.join(plumbing.TOY_TASK, "base_model")
+    """the base model: a Hugging Face hub name or a local folder (the bundled toy task's, found from any folder)"""
     tokenizer_name_or_path: str | None = None
     """the tokenizer, if not the model's own"""
-    dataset: str = "toy_task/data"
-    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder"""
+    dataset: str = os.path.join(plumbing.TOY_TASK, "data")
+    """a Hugging Face hub data set name, or a local .json/.jsonl/.parquet file or folder (the toy task's by default)"""
     train_split: str = "train"
     """the split to train on"""
     eval_split: str = "test"

@@ -20,9 +20,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 import plumbing
 import ppo
-from test_sft_and_reward_model import ENV, free_port, run, run_in_process, torchrun
+from test_plumbing import TOY_DATA
+from test_sft_and_reward_model import ENV, ROOT, free_port, run, run_in_process, torchrun
 
-TOY_TOKENIZER = "toy_task/base_model"
+TOY_TOKENIZER = os.path.join(plumbing.TOY_TASK, "base_model")
 # Two layers of width 32 each; what differs is what each family does with positions, heads and its LM head.
 ARCHITECTURES = {
     "gpt2": dict(n_positions=128, n_embd=32, n_layer=2, n_head=2),
@@ -150,8 +151,8 @@ def test_ppo_across_two_nodes_computes_what_two_ranks_on_one_node_do(trained, tm
     compute the same metrics, since every rank takes its prompts and seeds by its global rank. (Two nodes under
     torchrun: test_launchers.py.)"""
     sft, rm = trained("gpt_neox")
-    flags = ["ppo.py", *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3", "--actor-model-name-or-path",
-             sft, "--reward-model-name-or-path", rm]
+    flags = [os.path.join(ROOT, "ppo.py"), *PPO_STEPS, "--total-episodes", "32", "--actor-zero-stage", "3",
+             "--actor-model-name-or-path", sft, "--reward-model-name-or-path", rm]
     no_runs_of("test_two_nodes")
     no_runs_of("test_one_node")
     hostfile = tmp_path / "hostfile"
@@ -191,7 +192,7 @@ def test_reward_model_with_its_own_tokenizer(tmp_path, capsys):
     """A reward model that reads other tokens scores each prompt + response as its own tokenizer writes the text: the
     same score as for that text tokenized alone, the score at the EOS where the response has one. ppo.py runs with it,
     says so, and starts the critic from the actor with a fresh value head; evaluate.py scores with it."""
-    texts = [json.loads(line)["prompt"] + json.loads(line)["chosen"] for line in open("toy_task/data/train.jsonl")]
+    texts = [json.loads(line)["prompt"] + json.loads(line)["chosen"] for line in open(f"{TOY_DATA}/train.jsonl")]
     reward_tokenizer = other_tokenizer(texts[:2000])
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", vocab_size=len(reward_tokenizer), num_labels=1,
@@ -246,7 +247,7 @@ def test_reward_normalization_with_a_policy_of_another_tokenizer(tmp_path):
     """reward_model.py samples the normalization's responses from a policy with another vocabulary in the policy's own
     tokens (each prompt's text tokenized for it, each response's text tokenized back for the reward model, its EOS
     kept), instead of feeding it the reward model's ids; the stored record names that policy."""
-    texts = [json.loads(line)["prompt"] + json.loads(line)["chosen"] for line in open("toy_task/data/train.jsonl")]
+    texts = [json.loads(line)["prompt"] + json.loads(line)["chosen"] for line in open(f"{TOY_DATA}/train.jsonl")]
     policy_tokenizer = other_tokenizer(texts[:2000])
     config = AutoConfig.for_model("llama", vocab_size=len(policy_tokenizer), pad_token_id=policy_tokenizer.pad_token_id,
                                   eos_token_id=policy_tokenizer.eos_token_id, **ARCHITECTURES["llama"])

@@ -73,11 +73,11 @@ def test_sft_trains_on_chat_prompts(tmp_path):
     """sft.py end to end, two steps, on a data file whose prompts are lists of messages (a JSON list of objects per
     cell), with a model folder whose tokenizer has a chat template."""
     model = tmp_path / "model"
-    shutil.copytree("toy_task/base_model", model)
+    shutil.copytree(f"{plumbing.TOY_TASK}/base_model", model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.chat_template = PLAIN_TEMPLATE
     tokenizer.save_pretrained(model)
-    rows = [json.loads(line) for line in open("toy_task/data/train.jsonl")][:16]
+    rows = [json.loads(line) for line in open(f"{plumbing.TOY_TASK}/data/train.jsonl")][:16]
     write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": row["prompt"]}],
                                            "chosen": row["chosen"]} for row in rows])
     assert run_in_process("sft.py", ["--model-name-or-path", str(model), "--dataset", str(tmp_path / "chat.jsonl"),

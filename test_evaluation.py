@@ -17,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 import evaluate
 import plumbing
 from evaluate import Args, spearman, win_rate
+from test_plumbing import BASE_MODEL
 from toy_task.gold_judge import gold_score, parse_response
 
 
@@ -55,7 +56,7 @@ def test_every_bundled_pair_parses_and_the_rule_prefers_chosen():
     """The judge reads the task's own data as the task wrote it: every response parses, and the chosen one has the
     higher gold score, by the gap the task keeps (1 at least)."""
     for split in ("train", "test"):
-        with open(f"toy_task/data/{split}.jsonl") as f:
+        with open(f"{plumbing.TOY_TASK}/data/{split}.jsonl") as f:
             for line in f:
                 row = json.loads(line)
                 chosen, rejected = gold_score(row["chosen"]), gold_score(row["rejected"])
@@ -142,6 +143,29 @@ def test_output_dir_that_is_or_holds_an_input_is_refused(tmp_path):
     assert os.listdir(tmp_path / "mod") == []  # created, and the probe file removed
 
 
+def test_a_picture_is_written_whole_never_through_a_hard_link(tmp_path):
+    """A picture in the output folder that is another name of a user's file (a hard link) is replaced, not written
+    into: the user's file stays as it was (as evaluation.json and every record are written)."""
+    import matplotlib.pyplot as plt
+    users, picture = tmp_path / "users.png", tmp_path / "ppo_training.png"
+    users.write_text("the user's")
+    os.link(users, picture)
+    figure = plt.figure()
+    evaluate.save_figure(figure, str(picture))
+    plt.close(figure)
+    assert users.read_bytes() == b"the user's" and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_snapshots_dir_that_does_not_exist_stops_with_one_line(tmp_path):
+    """--snapshots-dir names the folder of the over-optimisation picture: one that is not there stops the evaluation
+    before any model loads (left out, the actor's ../snapshots is used if there is one)."""
+    missing = tmp_path / "snapshots"
+    message = stops_with(evaluate.main, Args(snapshots_dir=str(missing), output_dir=str(tmp_path / "eval")))
+    assert f"--snapshots-dir '{missing}' is no folder; name the snapshots/ folder of a ppo.py run with " \
+           "--snapshot-every N, or leave the flag out" in message
+    assert not (tmp_path / "eval").exists()
+
+
 @pytest.mark.parametrize("output_dir", ["/proc/x", "/proc"])  # a folder that cannot be made; one that takes no file
 def test_output_dir_that_cannot_be_written_is_refused(output_dir):
     assert f"cannot write to --output-dir {output_dir!r}" in stops_with(evaluate.check_evaluation_dir,
@@ -172,7 +196,7 @@ def test_every_model_is_loaded_in_one_precision(tmp_path):
     is loaded in --dtype, fp32 unless set, not in its checkpoint's, so that the KL between them measures the policies,
     not the rounding of one."""
     from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained("toy_task/base_model", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_pretrained(BASE_MODEL, dtype=torch.bfloat16).save_pretrained(tmp_path)
     for dtype, expected in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
         model = evaluate.load_model(AutoModelForCausalLM, str(tmp_path), "check --ppo-model", Args(dtype=dtype),
                                     torch.device("cpu"))
@@ -205,7 +229,7 @@ def test_metrics_rows_skip_partial_lines_and_keep_the_last_of_a_repeated_iterati
     assert "skipped 2 lines" in capsys.readouterr().out
 
 
-def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys):
+def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys, monkeypatch):
     actor, metrics = tmp_path / "actor", tmp_path / "runs" / "ppo__1__2" / "metrics.jsonl"
     actor.mkdir()
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) is None
@@ -224,6 +248,14 @@ def test_the_metrics_file_is_the_one_named_by_the_actor_folder(tmp_path, capsys)
            "run (set --metrics-file)" in capsys.readouterr().out
     (actor / plumbing.RECORD).write_text(json.dumps(record))
     assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) == str(metrics)
+    # The project moved, its runs/ with it: the metrics are found where the run logs, runs/RUN_NAME of the working
+    # folder, though the record names the old place.
+    moved = tmp_path / "moved" / "runs" / "ppo__1__2"
+    moved.parent.mkdir(parents=True)
+    os.rename(metrics.parent, moved)
+    monkeypatch.chdir(tmp_path / "moved")
+    assert evaluate.training_metrics_file(Args(ppo_model=str(actor))) == str(moved / "metrics.jsonl")
+    os.rename(moved, metrics.parent)
     other = tmp_path / "other.jsonl"  # --metrics-file wins over the record, and must exist
     assert "check --metrics-file" in stops_with(evaluate.training_metrics_file, Args(ppo_model=str(actor),
                                                                                      metrics_file=str(other)))

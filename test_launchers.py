@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import plumbing
 import sft
 from test_architectures import no_runs_of
-from test_plumbing import BASE_MODEL
-from test_sft_and_reward_model import (ENV, check_reward_model_folder, check_sft_folder, free_port, processes_with, run,
-                                       torchrun)
+from test_plumbing import BASE_MODEL, TOY_DATA
+from test_sft_and_reward_model import (ENV, ROOT, check_reward_model_folder, check_sft_folder, free_port,
+                                       processes_with, run, torchrun)
 
 # One or two optimizer steps on 2 ranks. At --max-seq-len 32, SFT drops 4 of these 32 train rows (prompt, response
 # and EOS longer than 32 tokens): a line that only the job's rank 0 prints.
@@ -44,7 +44,8 @@ def two_nodes(script, *flags, log_dir):
         with open(log, "w") as output:
             nodes.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), script, *flags],
+                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                 os.path.join(ROOT, script), *flags],
                 stdout=output, stderr=subprocess.STDOUT, env=ENV))
     deadline = time.time() + 300
     while any(node.poll() is None for node in nodes) and time.time() < deadline:
@@ -63,7 +64,7 @@ def held_out_loss(model_path: str, split: str, max_seq_len: int) -> float:
     """sft.py's held-out loss, the mean cross-entropy per response token, of a model over a split of the toy task,
     each row alone."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rows = sft.tokenize_demonstrations(plumbing.load_split("toy_task/data", split, ["prompt", "chosen"]), tokenizer,
+    rows = sft.tokenize_demonstrations(plumbing.load_split(TOY_DATA, split, ["prompt", "chosen"]), tokenizer,
                                        sft.Args(max_seq_len=max_seq_len), split)
     model, loss, tokens = AutoModelForCausalLM.from_pretrained(model_path), 0.0, 0
     with torch.no_grad():
@@ -115,7 +116,8 @@ def test_a_rank_waiting_for_the_other_node_stops_with_its_launcher(tmp_path):
     with open(log, "w") as output:
         node_0 = subprocess.Popen(
             [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh", "--node_rank",
-             "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "sft.py", "--output-dir", str(out)],
+             "0", "--master_addr", "127.0.0.1", "--master_port", str(port), os.path.join(ROOT, "sft.py"),
+             "--output-dir", str(out)],
             stdout=output, stderr=subprocess.STDOUT, env=ENV)
     deadline = time.time() + 120
     while time.time() < deadline:  # until rank 0 listens on the port: it has begun to wait for rank 1

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import plumbing
 from test_docs import top_level_names
 
-BASE_MODEL = "toy_task/base_model"
+BASE_MODEL, TOY_DATA = os.path.join(plumbing.TOY_TASK, "base_model"), os.path.join(plumbing.TOY_TASK, "data")
 ROOT = Path(__file__).resolve().parent
 # The files that import plumbing: none may define a name that it defines.
 STAGES = ["sft.py", "reward_model.py", "ppo.py", "evaluate.py", "benchmark.py", "fast_sampling.py"]
@@ -94,7 +95,7 @@ def bad(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL)
     tokenizer.add_tokens(["<|user|>", "<|assistant|>"], special_tokens=True)
     tokenizer.save_pretrained(root / "added_tokens")
-    shutil.copytree("toy_task/data", root / "data")  # a data set folder (that an output folder must stay out of)
+    shutil.copytree(TOY_DATA, root / "data")  # a data set folder (that an output folder must stay out of)
     shutil.copytree(BASE_MODEL, root / "nan_weights")
     weights = load_file(f"{BASE_MODEL}/model.safetensors")
     weights[sorted(weights)[-1]].view(-1)[0] = float("nan")
@@ -229,10 +230,10 @@ def test_check_ranges_names_the_flag_and_its_rule(monkeypatch):
 def test_bad_data_files_stop_with_one_line(bad, tmp_path, capsys):
     """load_split: each wrong file, folder, column or split stops with a line that names it and the flag to check."""
     # One file is every split, and a slice of it works.
-    assert len(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"])) == 64
+    assert len(plumbing.load_split(f"{TOY_DATA}/test.jsonl", "train[:64]", ["prompt"])) == 64
     check_stops([
-        (lambda: plumbing.load_split("toy_task/data", "train[:64]", ["prompt", "answer"]), "has no column ['answer']"),
-        (lambda: plumbing.load_split("toy_task/data", "train", ["promt"]),
+        (lambda: plumbing.load_split(TOY_DATA, "train[:64]", ["prompt", "answer"]), "has no column ['answer']"),
+        (lambda: plumbing.load_split(TOY_DATA, "train", ["promt"]),
          "has no column ['promt']; its columns are ['prompt', 'chosen', 'rejected', 'kind']"),
         (lambda: plumbing.load_split(str(bad / "nothing"), "train", ["prompt"]),
          f"no data set at '{bad}/nothing'; check --dataset"),
@@ -242,10 +243,10 @@ def test_bad_data_files_stop_with_one_line(bad, tmp_path, capsys):
          "line 2 of '" + str(bad / "broken.jsonl") + "' is not valid JSON (Expecting ':' delimiter"),
         (lambda: plumbing.load_split(str(bad / "empty.jsonl"), "train", ["prompt"]), "empty.jsonl' is an empty file"),
         (lambda: plumbing.load_split(str(bad / "latin1.jsonl"), "train", ["prompt"]), "split 'train' is not UTF-8 text"),
-        (lambda: plumbing.load_split("toy_task/data", "dev", ["prompt"]),
-         "cannot load split 'dev' of data set 'toy_task/data' (Unknown split"),
-        (lambda: plumbing.load_split("toy_task/data", "validation", ["prompt"]),
-         "cannot load split 'validation' of data set 'toy_task/data' (Unknown split"),
+        (lambda: plumbing.load_split(TOY_DATA, "dev", ["prompt"]),
+         f"cannot load split 'dev' of data set '{TOY_DATA}' (Unknown split"),
+        (lambda: plumbing.load_split(TOY_DATA, "validation", ["prompt"]),
+         f"cannot load split 'validation' of data set '{TOY_DATA}' (Unknown split"),
         # Another flag, and other file kinds (ppo.py's --unsup-dataset, plain text)
         (lambda: plumbing.load_split(str(tmp_path / "missing.txt"), "train", ["text"], "--unsup-dataset",
                                      extensions=(".txt", ".json", ".jsonl", ".parquet")),
@@ -258,7 +259,7 @@ def test_bad_data_files_stop_with_one_line(bad, tmp_path, capsys):
          f"--dataset '{bad / 'two_formats'}' holds data files of 2 formats (test.jsonl, test.parquet): only one "
          "format would be read, the other files left out; keep the files of one format in the folder"),
         # A prompt data set given as plain text: the hint names the text flag, not the hh-rlhf layout.
-        (lambda: plumbing.load_text_blocks(AutoTokenizer.from_pretrained(BASE_MODEL), "toy_task/data", None, "text",
+        (lambda: plumbing.load_text_blocks(AutoTokenizer.from_pretrained(BASE_MODEL), TOY_DATA, None, "text",
                                            8, 1),
          "has no column ['text']; its columns are ['prompt', 'chosen', 'rejected', 'kind']; --unsup-dataset is plain "
          "text to learn from: a .txt file, or a data set whose column of text --unsup-text-column names"),
@@ -446,8 +447,8 @@ def test_an_output_folder_is_never_destroyed(tmp_path, monkeypatch):
     notes.mkdir()
     (notes / "notes.txt").write_text("mine")
     check_stops([
-        (lambda: plumbing.claim_output_dir(".", {"--dataset": "toy_task/data"}, True),
-         "--output-dir '.' is or holds --dataset 'toy_task/data', which this run reads"),
+        (lambda: plumbing.claim_output_dir(str(ROOT), {"--dataset": TOY_DATA}, True),
+         f"--output-dir '{ROOT}' is or holds --dataset '{TOY_DATA}', which this run reads"),
         (lambda: plumbing.claim_output_dir(BASE_MODEL, {"--model-name-or-path": BASE_MODEL}, True),
          "is or holds --model-name-or-path"),
         (lambda: plumbing.claim_output_dir(str(notes), {}, False),
@@ -628,8 +629,8 @@ def test_a_run_never_writes_through_a_link_in_its_output_folder(tmp_path, monkey
     os.remove(out / (plumbing.RECORD + ".tmp"))
     (out / ".saving").write_text("the user's")
     check_stops([(lambda: plumbing.claim_output_dir(str(out), {}, False),
-                  f"'{out / '.saving'}' is not what a run leaves in --output-dir (a save's staging folder, an "
-                  "unfinished write): move it away, or name another --output-dir")])
+                  f"'{out / '.saving'}' is not what a run leaves in --output-dir (a save's staging folder): move it "
+                  "away, or name another --output-dir")])
     assert (out / ".saving").read_text() == "the user's"
     os.remove(out / ".saving")
     (victim).write_text(f"{socket.gethostname()} {os.getpid() + 10**7}")  # reads as a killed run's lock
@@ -972,6 +973,182 @@ def test_a_resumed_run_continues_its_metrics_file(tmp_path):
     plumbing.continue_metrics_file(str(path), 3)
     assert path.read_text() == lines[0] + lines[2]
     assert os.listdir(tmp_path) == ["metrics.jsonl"]  # written whole: no temporary file left
+
+
+class Killed(BaseException):
+    """A stop where a kill would land (not an error that a run catches)."""
+
+
+def test_a_removal_cut_short_is_finished_and_a_folder_of_the_users_stays(tmp_path, monkeypatch):
+    """Checkpoint retention removes what the run wrote and nothing else, so that a kill at any point of a removal
+    leaves a folder that is recognisably the run's (renamed iteration_N.*.tmp, its state.json removed last), and the
+    next checkpoint finishes the removal. A folder of the user's named as a save cut short (iteration_9.tmp, with no
+    state.json), or as a save's staging folder (.saving), is never removed, whatever its name."""
+    resume = tmp_path / "resume"
+    (resume / "iteration_9.tmp").mkdir(parents=True)
+    (resume / "iteration_9.tmp" / "notes.txt").write_text("the user's")
+
+    def checkpoint(iteration):  # a checkpoint with a model's folder in it, as a run writes it
+        path = write_checkpoint(resume, iteration)
+        os.mkdir(path + ".tmp/actor")
+        save_file({"weight": torch.zeros(3, 2)}, path + ".tmp/actor/model.safetensors")
+        return path
+
+    for iteration in (1, 2):
+        plumbing.commit_checkpoint(checkpoint(iteration), RUN)
+    removed = []
+
+    def cut_short(remove):  # removes, until the state.json of the checkpoint being removed is gone: then a kill
+        def remove_or_stop(path, *args, **kwargs):
+            if "state.json" in removed:
+                raise Killed
+            remove(path, *args, **kwargs)
+            removed.append(os.path.basename(path))
+        return remove_or_stop
+
+    with monkeypatch.context() as patch:
+        for name in ("remove", "unlink", "rmdir"):
+            patch.setattr(os, name, cut_short(getattr(os, name)))
+        with pytest.raises(Killed):
+            plumbing.commit_checkpoint(checkpoint(3), RUN)  # removes iteration_1, the third newest
+    assert "iteration_1" not in os.listdir(resume) and removed[-1] == "state.json"
+    plumbing.commit_checkpoint(checkpoint(4), RUN)
+    assert sorted(os.listdir(resume)) == ["iteration_3", "iteration_4", "iteration_9.tmp", "latest"]
+    # Cut short anywhere else (here as it begins to remove the model's folder), the same.
+    def killed(*args, **kwargs):
+        raise Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "rmtree", killed)
+        with pytest.raises(Killed):
+            plumbing.commit_checkpoint(checkpoint(5), RUN)  # removes iteration_3
+    plumbing.commit_checkpoint(checkpoint(6), RUN)
+    assert sorted(os.listdir(resume)) == ["iteration_5", "iteration_6", "iteration_9.tmp", "latest"]
+    assert (resume / "iteration_9.tmp" / "notes.txt").read_text() == "the user's"
+    check_stops([(lambda: plumbing.begin_checkpoint(str(resume / "iteration_9"), {"run_name": RUN}),
+                  f"cannot write the checkpoint '{resume / 'iteration_9.tmp'}' (File exists); it is in the way, and no "
+                  "run wrote it (no state.json): move it away")])
+    assert (resume / "iteration_9.tmp" / "notes.txt").read_text() == "the user's"
+    (tmp_path / "model" / ".saving").mkdir(parents=True)
+    (tmp_path / "model" / ".saving" / "notes.txt").write_text("the user's")
+    check_stops([(lambda: plumbing.save_model_folder(None, None, str(tmp_path / "model"), {}),
+                  f"'{tmp_path / 'model' / '.saving'}' holds more than a save leaves there (a folder of yours?): move "
+                  "it away, then run again")])
+    assert (tmp_path / "model" / ".saving" / "notes.txt").read_text() == "the user's"
+
+
+def test_a_data_set_is_known_by_its_content_wherever_it_is(tmp_path):
+    """folder_identity(data=True), as --resume knows a data set given by path: its files' names and content, not its
+    path (a moved copy is the same data set); a byte changed or a file added makes another; hidden files (which
+    `datasets` skips) do not count; a file is its content; a hub name is itself."""
+    shutil.copytree(TOY_DATA, tmp_path / "data")
+    identity = plumbing.folder_identity(str(tmp_path / "data"), data=True)
+    os.rename(tmp_path / "data", tmp_path / "moved")
+    data = tmp_path / "moved"
+    assert plumbing.folder_identity(str(data), data=True) == identity
+    (data / ".cache").mkdir()
+    (data / ".cache" / "notes").write_text("not data")
+    assert plumbing.folder_identity(str(data), data=True) == identity
+    content = (data / "test.jsonl").read_bytes()
+    (data / "test.jsonl").write_bytes(content[:-2] + bytes([content[-2] ^ 1]) + content[-1:])
+    assert plumbing.folder_identity(str(data), data=True) != identity
+    (data / "test.jsonl").write_bytes(content)
+    (data / "dev.jsonl").write_bytes(content)
+    assert plumbing.folder_identity(str(data), data=True) != identity
+    shutil.copy(data / "test.jsonl", tmp_path / "elsewhere.jsonl")
+    assert plumbing.folder_identity(str(tmp_path / "elsewhere.jsonl"), data=True) == \
+        plumbing.folder_identity(str(data / "test.jsonl"), data=True) != identity
+    assert plumbing.folder_identity("imdb", data=True) == "imdb"
+
+
+@contextlib.contextmanager
+def never_waits_on(fifo, seconds=5):
+    """The block must not wait on FIFO, as a run that opens one to read (or write) waits for its other end, forever: a
+    process opens both its ends after SECONDS, releasing whatever waits there, and the test fails instead of hanging."""
+    code = ("import os, sys, time; time.sleep(float(sys.argv[2])); reader = os.open(sys.argv[1], os.O_RDONLY | "
+            "os.O_NONBLOCK); os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK)); os.close(reader)")
+    releaser, start = subprocess.Popen([sys.executable, "-c", code, str(fifo), str(seconds)]), time.time()
+    try:
+        yield
+    finally:
+        releaser.kill()
+        releaser.wait()
+    assert time.time() - start < seconds, f"waited on the FIFO {fifo}"
+
+
+def test_a_fifo_where_a_run_reads_never_keeps_it_waiting(tmp_path, monkeypatch):
+    """A FIFO where a run reads, in its output folder or its runs/RUN_NAME (the record, the lock, `latest`, a
+    checkpoint's state.json, its weights and rank files, the metrics file), would keep it waiting for a writer forever:
+    each is checked to be a regular file before it is opened. The output folder with one in it is refused in one line
+    (with --overwrite too); read alone, one is no record, no `latest`, no state.json; a checkpoint with one cannot be
+    resumed from; the metrics file stops the run in one line."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    out, engine = tmp_path / "out", types.SimpleNamespace(module=torch.nn.Linear(2, 3))
+    checkpoint, metrics = out / "resume" / "iteration_2", tmp_path / "runs" / RUN / "metrics.jsonl"
+    plumbing.commit_checkpoint(write_checkpoint(out / "resume", 2), RUN)
+    (checkpoint / "actor").mkdir()
+    save_file({"weight": torch.zeros(3, 2), "bias": torch.zeros(3)}, checkpoint / "actor" / "model.safetensors")
+    save_file({"last_valid": torch.zeros(1)}, checkpoint / "rank_0.safetensors")
+    metrics.parent.mkdir(parents=True)
+    state = plumbing.read_state(str(checkpoint))
+    assert plumbing.checkpoint_problem(str(checkpoint), state, {}, {"actor": engine}, [], ["last_valid"], 2) is None
+
+    def fifo(path):  # a FIFO in PATH's place
+        saved = path.read_bytes() if path.exists() else None
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+        fifos.append((path, saved))
+        return never_waits_on(path)
+
+    def claim():
+        plumbing.claim_output_dir(str(out), {}, True, ["resume"])  # with --overwrite
+
+    fifos = []
+    not_a_file = "is not what a run leaves in --output-dir (a file or a folder, not a FIFO, a socket or a device)"
+    for path in [out / "resume" / "latest", checkpoint / "state.json", checkpoint / "rank_0.safetensors",
+                 checkpoint / "actor" / "model.safetensors"]:
+        with fifo(path):
+            check_stops([(claim, f"'{path}' {not_a_file}: move it away, or name another --output-dir")])
+            assert plumbing.complete_checkpoints(str(out / "resume")) == [str(checkpoint)]
+            assert plumbing.read_state(str(checkpoint)) == (None if path.name == "state.json" else state)
+            problem = plumbing.checkpoint_problem(str(checkpoint), state, {}, {"actor": engine}, [], ["last_valid"], 2)
+            assert problem == {"latest": None, "state.json": None, "rank_0.safetensors": "rank_0.safetensors is not a "
+                               "rank's file of tensors", "model.safetensors": "actor/model.safetensors is missing, or "
+                               "no file"}[path.name]
+        path.unlink()
+        path.write_bytes(fifos.pop()[1])
+    with fifo(out / plumbing.RECORD):
+        assert plumbing.read_record(str(out)) is None
+        claim()  # replaced by the new record, not read
+    assert plumbing.read_record(str(out)) == {"script": "ppo.py", "finished": False}
+    os.remove(out / ".lock")  # this process's, as a run's lock
+    with fifo(out / ".lock"):
+        check_stops([(claim, f"'{out / '.lock'}' is not the lock file of a run")])
+        plumbing.fsync_tree(str(out))  # (a save flushes the output folder's files)
+    with fifo(metrics):
+        check_stops([(lambda: plumbing.continue_metrics_file(str(metrics), 2), f"cannot continue '{metrics}' (not a "
+                      "regular file); it is no file of the run's own (a FIFO, a device, or another name of a file: a "
+                      "hard link): move it away, then run again"),
+                     (lambda: plumbing.open_log(str(metrics)), f"cannot write to '{metrics}' (No such device or "
+                      "address); it is no file of the run's own (a FIFO")])
+
+
+def test_a_log_is_never_written_through_a_link_or_a_hard_link(tmp_path):
+    """metrics.jsonl and trace.jsonl are appended to only as files of the run's own: a link, or a hard link (another
+    name of a user's file) in their place stops the run in one line, and the user's file stays as it was; on --resume
+    the log is written anew (continue_metrics_file), which leaves the user's file as it was too."""
+    users, log = tmp_path / "users.jsonl", tmp_path / "metrics.jsonl"
+    users.write_text('{"iteration": 1}\n{"iteration": 2}\n')
+    for link, says in [(os.link, "(not a file of its own); it is no file of the run's own (a FIFO, a device, or "
+                                 "another name of a file: a hard link)"),
+                       (os.symlink, "(Too many levels of symbolic links); it is a link")]:
+        link(users, log)
+        check_stops([(lambda: plumbing.open_log(str(log)), f"cannot write to '{log}' {says}")])
+        if link is os.link:
+            plumbing.continue_metrics_file(str(log), 1)
+            assert log.read_text() == '{"iteration": 1}\n' and not os.path.samefile(log, users)
+        log.unlink()
+    assert users.read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
 
 
 def test_peak_resident_memory_is_the_process_own():

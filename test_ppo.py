@@ -38,8 +38,9 @@ import sft
 from ppo import response_logits
 from test_architectures import ARCHITECTURES
 # bad is a pytest fixture, used by name
-from test_plumbing import HH_ROW, bad, check_stops, full_disk, write_jsonl  # noqa: F401
-from test_sft_and_reward_model import (ENV, check_errors, free_port, launcher, processes_with, run,
+from test_plumbing import (BASE_MODEL, HH_ROW, TOY_DATA, bad, check_stops, full_disk, never_waits_on,  # noqa: F401
+                           write_jsonl)
+from test_sft_and_reward_model import (ENV, ROOT, check_errors, free_port, launcher, processes_with, run,
                                        run_in_process)
 
 # 2 iterations of 8 prompts per rank; PPO splits each rank's 8 into 2 mini-batches of 2 forward passes of 2.
@@ -102,7 +103,7 @@ def test_generation_and_forward_log_probs_agree(model_type):
     """The log-probs ppo.py computes by a forward pass over prompt + response are those of the distribution the
     response was sampled from with ppo.sampling_config: same positions (left padding, the shift by one), same
     temperature, in every family. ppo.sample draws the tokens generate draws from the same seed."""
-    tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
     model, _ = tiny_models(model_type, tokenizer)
     prompts = tokenizer(["I watched this film last night and", "We saw it"], padding=True, return_tensors="pt")
     torch.manual_seed(0)
@@ -142,7 +143,7 @@ def test_logprobs_values_and_scores_of_a_padded_batch_are_those_of_each_row_alon
     """ppo.py's forward passes over a left-padded batch of prompt + response (ending in EOS, then pad) give, at every
     response position, what the model gives for that row alone, unpadded: log pi(a_t|s_t) and V(s_t) from the outputs
     one position before a_t, and the score at the EOS, which here is the classifier's own pooled output."""
-    tokenizer = AutoTokenizer.from_pretrained("toy_task/base_model", padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL, padding_side="left")
     policy, classifier = tiny_models(model_type, tokenizer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rows = [("I watched this film last night and", " the story was good."),
@@ -199,10 +200,10 @@ def kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig):
     themselves within seconds. Returns the iteration of the checkpoint and the iterations logged so far."""
     marker = out / "resume" / "latest"
     before = marker.read_text() if marker.exists() else None
-    command = [sys.executable, "ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out),
-               "--exp-name", exp_name] + (["--resume"] if before else [])
+    command = [sys.executable, os.path.join(ROOT, "ppo.py"), *stages, *FEW_ITERATIONS, *flags, "--output-dir",
+               str(out), "--exp-name", exp_name] + (["--resume"] if before else [])
     if ranks:
-        command[0:2] = [*launcher(ranks), "ppo.py"]
+        command[0:2] = [*launcher(ranks), os.path.join(ROOT, "ppo.py")]
     process = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while (not marker.exists() or marker.read_text() == before) and process.poll() is None and time.time() < deadline:
@@ -232,18 +233,19 @@ ONE_STEP_PER_ITERATION = ["--num-mini-batches", "1", "--num-ppo-epochs", "1", "-
     (None, [signal.SIGTERM, signal.SIGKILL], ["--enable-ema", "--actor-lora-dim", "4", "--critic-lora-dim", "4",
                                               "--only-optimize-lora", "--target-kl", "0.01", "--kl-horizon", "100"]),
     (2, [signal.SIGKILL], ["--actor-zero-stage", "3", "--critic-zero-stage", "2", "--enable-ema", "--ema-decay", "0.5",
-                           "--unsup-dataset", "toy_task/pretrain.txt", "--actor-lora-dim", "4", "--critic-lora-dim",
-                           "4", *ONE_STEP_PER_ITERATION]),
+                           "--unsup-dataset", f"{plumbing.TOY_TASK}/pretrain.txt", "--actor-lora-dim", "4",
+                           "--critic-lora-dim", "4", *ONE_STEP_PER_ITERATION]),
 ])
-def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, flags):
+def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, monkeypatch, ranks, sigs, flags):
     """Killed after a checkpoint, a run loses at most --save-every iterations, and --resume repeats exactly what the
     uninterrupted run did: optimizer moments and step counts, learning rates and the KL coefficient included, and
     the EMA, the LoRA adapters (on one rank trained alone, --only-optimize-lora, the rest frozen) and the adaptive KL
     coefficient end where they would have (on two ranks with the actor
     under ZeRO-3, the critic's LoRA under ZeRO-2 and the pretraining mix, the EMA checked against the actor's weight
     history too: check_ema; the state in fp16 and bf16: test_mixed_precision_resume_keeps_master_weights_and_scale).
-    On one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. The run keeps
-    one metrics file, with every iteration logged once."""
+    On one rank the latest checkpoint is then damaged, and the resume falls back to the one before it. Killed in one
+    project folder, the run resumes after the folder has moved, its data set named where it is now: it keeps one
+    metrics file, the moved folder's runs/RUN_NAME/metrics.jsonl, with every iteration logged once."""
     iterations = 6 if len(sigs) > 1 else 4  # of 8 prompts per rank; a checkpoint every 2, one killed per signal
     flags = ["--total-episodes", str(8 * iterations * (ranks or 1)), "--save-every", "2", "--sample-every", "0", *flags]
     out = tmp_path / "straight"
@@ -254,9 +256,13 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     if "--snapshot-every" in flags:
         check_ema(out, stages, uninterrupted, decay=float(flags[flags.index("--ema-decay") + 1]))
 
-    out, exp_name, done = tmp_path / "killed", f"test_killed_{ranks}", 0
+    project, exp_name, done = tmp_path / "project", f"test_killed_{ranks}", 0
+    shutil.copytree(TOY_DATA, project / "data")
+    monkeypatch.chdir(project)  # the run's working folder: its logs go to runs/ there
+    out = project / "killed"
     for sig in sigs:
-        checkpoint, logged = kill_after_checkpoint(stages, out, exp_name, flags, ranks, sig)
+        checkpoint, logged = kill_after_checkpoint(stages, out, exp_name, [*flags, "--dataset", str(project / "data")],
+                                                   ranks, sig)
         assert logged == list(range(1, logged[-1] + 1)) and checkpoint <= logged[-1] < checkpoint + 2, logged
         done = checkpoint
     # Checkpoints are safetensors and JSON, nothing pickled. The last two complete ones are kept (a kill can land
@@ -270,10 +276,14 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
         weights = out / "resume" / f"iteration_{done}" / "actor" / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
         done -= 2
+    monkeypatch.chdir(tmp_path)
+    shutil.move(project, tmp_path / "moved")
+    monkeypatch.chdir(tmp_path / "moved")
+    out = tmp_path / "moved" / "killed"
 
     # (--trace-every, which --resume may change, changes nothing the run computes: the metrics below stay the same.)
-    result = run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--output-dir", str(out), "--exp-name", exp_name,
-                 "--resume", "--trace-every", "1", ranks=ranks)
+    result = run("ppo.py", *stages, *FEW_ITERATIONS, *flags, "--dataset", str(tmp_path / "moved" / "data"),
+                 "--output-dir", str(out), "--exp-name", exp_name, "--resume", "--trace-every", "1", ranks=ranks)
     assert f"resumed from {out / 'resume' / f'iteration_{done}'} at iteration {done}" in result.stdout
     assert f"iteration {iterations}: response" in result.stdout and "position by position" in result.stdout
     if len(sigs) > 1:
@@ -281,6 +291,8 @@ def test_killed_run_resumes_to_the_same_metrics(stages, tmp_path, ranks, sigs, f
     assert sorted(os.listdir(out / "resume")) == [f"iteration_{iterations - 2}", f"iteration_{iterations}", "latest"]
     resumed = run_metrics(out)
     assert [m["iteration"] for m in resumed] == list(range(1, iterations + 1))  # one file, each iteration once
+    record = plumbing.read_record(str(out))
+    assert record["metrics_file"] == str(tmp_path / "moved" / "runs" / record["run_name"] / "metrics.jsonl")
     for after in resumed:
         before = uninterrupted[after["iteration"] - 1]
         for name in ["objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "loss/value_avg",
@@ -335,11 +347,13 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
     ])
     resumed = start(resume=True, save_every=4, sample_every=0, actor_zero_stage=3, sampler="static")  # may change
     assert resumed == {**first, "checkpoints": [str(out / "resume" / "iteration_2")]}
-    # A run recorded with DeepSpeed's hybrid engine, which ppo.py no longer has, does not continue without it.
+    # A run recorded with DeepSpeed's hybrid engine, which ppo.py no longer has, cannot continue (no version here can):
+    # a new run can.
     plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"),
                         {**state, "args": {**state["args"], "enable_hybrid_engine": True, "inference_tp_size": 1}})
-    check_stops([(lambda: start(resume=True), "--resume: the run was started with other settings: "
-                                              "--enable-hybrid-engine (a switch that ppo.py no longer has)")])
+    check_stops([(lambda: start(resume=True), "--resume: the run was started with --enable-hybrid-engine, which "
+                  "ppo.py no longer has, and no run can continue without it; start a new run with --overwrite, or name "
+                  "another --output-dir")])
     plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"),
                         {**state, "args": {**state["args"], "enable_hybrid_engine": False}})
     assert start(resume=True)["run_name"] == first["run_name"]  # recorded with it off: as if it had never been
@@ -374,10 +388,10 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
 
 
 def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, capsys):
-    """--resume rewrites the metrics file that the folder's record names (up to its checkpoint): only if it is the
-    run's runs/RUN_NAME/metrics.jsonl, else it logs to a new one there, said; a record whose run name is none that a
-    run writes stops it. Runs started in the same second log apart. The trace file is checked writable before the
-    first iteration and at every trace, and a trace that finds no response of the kind asked for says so."""
+    """--resume continues runs/RUN_NAME/metrics.jsonl of the working folder (up to its checkpoint), whatever file the
+    folder's record names, which stays as it was; a record whose run name is none that a run writes stops it. Runs
+    started in the same second log apart. The trace file is checked writable before the first iteration and at every
+    trace, and a trace that finds no response of the kind asked for says so."""
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
     monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
     out = tmp_path / "out"
@@ -398,19 +412,18 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
     record, notes = plumbing.read_record(str(out)), tmp_path / "notes.jsonl"
     notes.write_text("the user's\n")
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "metrics_file": str(notes)})
-    capsys.readouterr()
     resumed = start(resume=True)
     assert resumed["metrics_file"] == first["metrics_file"]
-    assert f"the run's record names '{notes}' as its metrics file, which is no runs/{first['run_name']}/" \
-           f"metrics.jsonl file: left alone; the metrics go to {first['metrics_file']}" in capsys.readouterr().out
     plumbing.start_logging(resumed, 2, dataclasses.replace(args, resume=True), [])[1].close()
     assert notes.read_text() == "the user's\n"
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": "../elsewhere"})
     check_stops([(lambda: start(resume=True), f"--resume: {out / plumbing.RECORD} is damaged (its run_name is not one "
                                               "ppo.py writes); start a new run with --overwrite")])
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "run_name": ["../elsewhere"]})  # no record of ours
-    check_stops([(lambda: start(resume=True), f"--output-dir '{out}' is not empty and holds no earlier output of "
-                                              "ppo.py; name a new or empty folder, or pass --overwrite")])
+    # (The folder holds ppo.py's checkpoint, which --overwrite would replace: said so, not that it holds none.)
+    check_stops([(lambda: start(resume=True), f"--output-dir '{out}' holds output of ppo.py (resume/iteration_2), "
+                  "but its training_run.json is missing or damaged, so no run can continue it: name another "
+                  "--output-dir, or pass --overwrite to start a new run there")])
     # Two new runs in the same second: each its own runs/ folder.
     monkeypatch.setattr(plumbing.time, "time", lambda: 1700000000.5)
     names = [start(overwrite=True)["run_name"] for _ in range(2)]
@@ -522,8 +535,112 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
     (tmp_path / "rm" / "model.safetensors").write_bytes(os.urandom(2**10) + weights[2**10:])  # another model there
     check_stops([(lambda: resume(actor_model_name_or_path=str(tmp_path / "moved")),
                   f"--resume: --reward-model-name-or-path '{tmp_path / 'rm'}' does not hold the model the run started "
-                  "from (its files differ); name that model's folder, wherever it is now")])
+                  "from (its files differ); name that model, wherever it is now")])
     shutil.rmtree(runs)
+
+
+def test_a_moved_or_copied_run_logs_to_its_own_runs_folder(tmp_path, monkeypatch, capsys):
+    """A run's logs are runs/RUN_NAME/ of the working folder, where tensorboard's are: a project folder moved (or
+    copied) resumes in its new place, its metrics continuing in its own runs/RUN_NAME/metrics.jsonl, and a data set
+    given by path is known there by its content, as the models are. A copy of the output folder beside the original,
+    whose run logs to the same runs/RUN_NAME, is refused in one line while the original holds the run, and never writes
+    into the original's logs; the copy resumes once the original has gone (then it owns the logs). runs/RUN_NAME
+    replaced by a link to a user's folder is never written through."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
+    project = tmp_path / "project"
+    shutil.copytree(TOY_DATA, project / "data")
+    monkeypatch.chdir(project)  # the output folder named as a user names it, from the project folder
+    args = ppo.Args(output_dir="out", dataset=str(project / "data"), exp_name="test_moved", save_every=2,
+                    world_size=1, batch_size=64)
+
+    def start(output_dir="out", **changes):
+        for lock in glob.glob("**/.lock", recursive=True):  # the lock of the run before, which has ended
+            os.remove(lock)
+        return ppo.new_or_resumed_run(dataclasses.replace(args, output_dir=output_dir, **changes))
+
+    def resume(output_dir="out", **changes):  # a resumed run, up to its first log line
+        run = start(output_dir, resume=True, **changes)
+        _, metrics_file = plumbing.start_logging(run, 2, dataclasses.replace(args, output_dir=output_dir, resume=True,
+                                                                             **changes), [])
+        plumbing.append_line(metrics_file, json.dumps({"iteration": 3, "from": output_dir}))
+        metrics_file.close()
+        return run
+
+    first = start()
+    _, metrics_file = plumbing.start_logging(first, 0, args, [])
+    for iteration in (1, 2):
+        plumbing.append_line(metrics_file, json.dumps({"iteration": iteration}))
+    metrics_file.close()
+    (project / "out" / "resume" / "iteration_2").mkdir(parents=True)
+    plumbing.write_json(str(project / "out" / "resume" / "iteration_2" / "state.json"), {
+        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
+        "run_name": first["run_name"]})
+    logs = os.path.join("runs", first["run_name"])
+    shutil.copytree(project / "out", project / "copy")  # a copy of the output folder beside the original
+    shutil.copytree(project, tmp_path / "project_copy")  # a copy of the whole project
+    check_stops([(lambda: start("copy", resume=True), f"--resume: 'copy' is a copy of 'out', whose run "
+                  f"{first['run_name']} logs to {logs} in this folder: the copy would write into the original's logs. "
+                  "Move the original away (the copy then continues the run), or resume the copy from another working "
+                  "folder (it then logs to that folder's runs/)")])
+    monkeypatch.chdir(tmp_path)
+    shutil.move(project, tmp_path / "moved")
+    monkeypatch.chdir(tmp_path / "moved")
+    moved = resume(dataset=str(tmp_path / "moved" / "data"))
+    assert moved["run_name"] == first["run_name"]
+    assert moved["metrics_file"] == str(tmp_path / "moved" / logs / "metrics.jsonl")
+    assert [json.loads(line)["iteration"] for line in open(moved["metrics_file"])] == [1, 2, 3]
+    shutil.rmtree("out")  # the original gone: its copy continues the run, and now owns its logs
+    resume("copy", dataset=str(tmp_path / "moved" / "data"))
+    assert [json.loads(line).get("from") for line in open(moved["metrics_file"])] == [None, None, "copy"]
+    monkeypatch.chdir(tmp_path)  # resumed from another working folder: it logs there, and says where it logged before
+    capsys.readouterr()
+    resume("moved/copy", dataset=TOY_DATA)
+    assert f"the run's metrics up to its checkpoint are in {moved['metrics_file']}; from here on it logs to " \
+           f"{tmp_path / logs / 'metrics.jsonl'}" in capsys.readouterr().out
+    # The project's copy: its own runs/, unchanged by the runs above; its data set changed is another one.
+    monkeypatch.chdir(tmp_path / "project_copy")
+    assert [json.loads(line)["iteration"] for line in open(os.path.join(logs, "metrics.jsonl"))] == [1, 2]
+    (tmp_path / "project_copy" / "data" / "test.jsonl").write_text('{"prompt": "Another film"}\n')
+    check_stops([(lambda: start(resume=True, dataset=str(tmp_path / "project_copy" / "data")),
+                  f"--resume: --dataset '{tmp_path / 'project_copy' / 'data'}' does not hold the data set the run "
+                  "started from (its files differ); name that data set, wherever it is now")])
+    shutil.rmtree(logs)
+    (tmp_path / "users").mkdir()
+    (tmp_path / "users" / "metrics.jsonl").write_text("the user's\n")
+    os.symlink(tmp_path / "users", logs)
+    check_stops([(lambda: start(resume=True, dataset=TOY_DATA), f"{logs} is a link, where the run keeps its logs in "
+                                                                "a folder of its own: move it away, then run again")])
+    assert (tmp_path / "users" / "metrics.jsonl").read_text() == "the user's\n"
+
+
+def test_a_fifo_in_the_output_folder_stops_a_run_in_one_line(tmp_path, monkeypatch):
+    """A FIFO where a run reads (here resume/latest, and the metrics file) stops it in one line instead of keeping it
+    waiting for a writer forever: a new run, even with --overwrite, and a resumed one."""
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    monkeypatch.setattr(plumbing.checkpoints, "start_tensorboard", lambda *_, **__: NO_TENSORBOARD)
+    out = tmp_path / "out"
+    args = ppo.Args(output_dir=str(out), exp_name="test_fifo", save_every=2, world_size=1, batch_size=64)
+    run = ppo.new_or_resumed_run(args)
+    plumbing.start_logging(run, 0, args, [])[1].close()
+    (out / "resume" / "iteration_2").mkdir(parents=True)
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
+        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
+        "run_name": run["run_name"]})
+    os.mkfifo(out / "resume" / "latest")
+    os.remove(out / ".lock")
+    with never_waits_on(out / "resume" / "latest"):
+        check_stops([(lambda: ppo.new_or_resumed_run(dataclasses.replace(args, overwrite=True)),
+                      f"'{out / 'resume' / 'latest'}' is not what a run leaves in --output-dir (a file or a folder, "
+                      "not a FIFO, a socket or a device): move it away, or name another --output-dir")])
+    os.remove(out / "resume" / "latest")
+    os.remove(run["metrics_file"])
+    os.mkfifo(run["metrics_file"])
+    with never_waits_on(run["metrics_file"]):
+        resumed = ppo.new_or_resumed_run(dataclasses.replace(args, resume=True))
+        check_stops([(lambda: plumbing.start_logging(resumed, 2, dataclasses.replace(args, resume=True), []),
+                      f"cannot continue '{run['metrics_file']}' (not a regular file); it is no file of the run's own")])
+    shutil.rmtree(os.path.dirname(run["metrics_file"]))
 
 
 def test_logits_that_are_not_finite_stop_sampling_with_one_line(stages, tmp_path, monkeypatch):
@@ -809,8 +926,8 @@ def wrong(stages, tmp_path_factory):
     tokenizer.save_pretrained(root / "no_pad_reward")
     (root / "blank.txt").write_text("\n  \n\n")
     write_jsonl(root / "hh.jsonl", [HH_ROW] * 8)
-    shutil.copytree("toy_task/data", root / "data")
-    shutil.copytree("toy_task/data", root / "scripted")
+    shutil.copytree(TOY_DATA, root / "data")
+    shutil.copytree(TOY_DATA, root / "scripted")
     (root / "scripted" / "scripted.py").write_text("import datasets  # a loading script\n")
     os.symlink(root / "nowhere", root / "dangling")
     shutil.copytree(rm_path, root / "critic")  # a critic saved by ppo.py: it loads as a reward model would
@@ -909,7 +1026,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
          f"--actor-model-name-or-path '{wrong / 'wide_actor'}' samples token ids from 1001 rows, but "
          f"--reward-model-name-or-path '{stages[3]}' embeds only 993: an id past them would stop the run"),
         (["--dataset", str(bad / "two_formats")], "holds data files of 2 formats (test.jsonl, test.parquet)"),
-        (["--unsup-dataset", "toy_task/data"], "; --unsup-dataset is plain text to learn from: a .txt file, or a "
+        (["--unsup-dataset", TOY_DATA], "; --unsup-dataset is plain text to learn from: a .txt file, or a "
                                                "data set whose column of text --unsup-text-column names"),
         (["--output-dir", str(wrong / "linked_out"), "--overwrite"],
          f"--output-dir '{wrong / 'linked_out' / 'actor'}' is or holds --actor-model-name-or-path '{stages[1]}'"),
@@ -1480,7 +1597,7 @@ def deepspeed_internals(tmp_path_factory):
     script = folder / "deepspeed_internals.py"
     script.write_text(SET_UP + ALIGN_OVERFLOW_SCRIPT + MIXED_PRECISION_RESUME_SCRIPT + GATHERED_SCRIPT + SAVE_SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(free_port()), str(folder)], capture_output=True,
-                            text=True, env={**ENV, "PYTHONPATH": os.getcwd()}, timeout=300)
+                            text=True, env={**ENV, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -6,6 +6,7 @@ script with a one-line message naming what to fix.
 """
 
 import contextlib
+import dataclasses
 import glob
 import importlib
 import io
@@ -27,6 +28,7 @@ import tyro
 from torch.utils.tensorboard import SummaryWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+import evaluate
 import fast_sampling
 import plumbing
 from plumbing import free_port
@@ -36,8 +38,10 @@ import rlhf_math
 import sft
 from test_docs import README, spans_and_lines
 # bad is a pytest fixture, used by name
-from test_plumbing import BASE_MODEL, bad, check_stops, dropping_tokenizer, write_jsonl  # noqa: F401
+from test_plumbing import BASE_MODEL, TOY_DATA, bad, check_stops, dropping_tokenizer, write_jsonl  # noqa: F401
 
+# The checkout: the tests run in a working folder of their own (conftest), and name each script by its path here.
+ROOT = os.path.dirname(os.path.abspath(__file__))
 # A few optimizer steps: datasets' split slicing keeps the runs short without a flag of our own.
 FEW_STEPS = ["--train-split", "train[:64]", "--eval-split", "test[:32]", "--per-device-train-batch-size", "8"]
 # Quiet, and one thread per rank: 2 ranks share this machine's 2 cores.
@@ -70,9 +74,9 @@ def run(script, *flags, ranks=None, check=True, launch=launcher, here=False):
         assert result.returncode == 0 or not check, f"{script} {' '.join(flags)} failed: {error}"
         return result
     if ranks:
-        command = [*launch(ranks), script, *flags]
+        command = [*launch(ranks), os.path.join(ROOT, script), *flags]
     else:
-        command = [sys.executable, script, *flags]
+        command = [sys.executable, os.path.join(ROOT, script), *flags]
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=600)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -240,7 +244,7 @@ def test_every_logged_metric_is_in_the_readme(tmp_path, monkeypatch):
             ("ppo.py", ["--actor-model-name-or-path", sft_out, "--reward-model-name-or-path", rm_out,
                         "--per-device-rollout-batch-size", "4", "--num-mini-batches", "1",
                         "--per-device-train-batch-size", "4", "--num-ppo-epochs", "1", "--max-new-tokens", "4",
-                        "--total-episodes", "4", "--unsup-dataset", "toy_task/pretrain.txt",
+                        "--total-episodes", "4", "--unsup-dataset", f"{plumbing.TOY_TASK}/pretrain.txt",
                         "--output-dir", str(tmp_path / "ppo")])]:
         logged[script] = set()
         exp_name = f"test_logged_metrics_{script[:-3]}"
@@ -449,7 +453,7 @@ def test_sft_bad_input(bad, tmp_path, capsys):
         (lambda: sft.tokenize_demonstrations(one_file, tokenizer, sft.Args(), "train"),
          "row 1 of split 'train', column 'prompt': empty text; fix or remove the row"),
         # One file is every split, and a slice of it works; here no row of it fits.
-        (lambda: sft.tokenize_demonstrations(plumbing.load_split("toy_task/data/test.jsonl", "train[:64]", ["prompt"]),
+        (lambda: sft.tokenize_demonstrations(plumbing.load_split(f"{TOY_DATA}/test.jsonl", "train[:64]", ["prompt"]),
                                              tokenizer, sft.Args(max_seq_len=4), "train[:64]"),
          "no row of split 'train[:64]' fits --max-seq-len 4"),
         (lambda: sft.tokenize_demonstrations([{"prompt": "A film, and", "chosen": "ΩΩ"}], dropping_tokenizer(),
@@ -466,7 +470,8 @@ def test_sft_bad_input(bad, tmp_path, capsys):
         (["--per-device-train-batch-size", "100"], "64 training rows make no optimizer step of 100 sequences"),
         (["--dtype", "fp16"], "--dtype fp16 needs a GPU"),
         # The output folder is checked before any model loads: never the folder that holds the inputs.
-        (["--output-dir", "."], "--output-dir '.' is or holds --model-name-or-path 'toy_task/base_model'"),
+        (["--output-dir", plumbing.TOY_TASK], f"--output-dir '{plumbing.TOY_TASK}' is or holds --model-name-or-path "
+                                              f"'{BASE_MODEL}'"),
         (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--model-name-or-path", str(bad / "nan_weights")], "has weights that are not finite (inf or nan)"),
         (["--model-name-or-path", str(bad / "added_tokens")], "tokens were added to it without "
@@ -567,8 +572,9 @@ def test_every_rank_stops_when_one_dies(tmp_path):
     """Rank 1 killed in the middle of training: rank 0 and the launcher end within seconds, not at a collective's
     half-hour timeout. (A killed launcher is test_ppo's kill-and-resume test.)"""
     out = tmp_path / "sft"
-    process = subprocess.Popen([*launcher(2), "sft.py", *FEW_STEPS, "--num-train-epochs", "1000", "--output-dir",
-                                str(out)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([*launcher(2), os.path.join(ROOT, "sft.py"), *FEW_STEPS, "--num-train-epochs", "1000",
+                                "--output-dir", str(out)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     for line in process.stdout:
         if "optimizer steps" in line:  # training has started
             break
@@ -610,6 +616,18 @@ def test_every_stage_takes_the_local_rank_the_deepspeed_launcher_passes():
     """deepspeed starts each rank with `--local_rank=N` (torchrun only sets LOCAL_RANK): every stage must take it."""
     for stage in (sft, reward_model, ppo):
         assert tyro.cli(stage.Args, args=["--local_rank=1"]).local_rank == 1
+
+
+def test_the_bundled_defaults_are_found_from_any_working_folder():
+    """A default that names a bundled file (the toy task's base model and data) is its path in the project, found
+    from any working folder (the tests run in one of their own: conftest), never looked up on the hub as toy_task/..."""
+    import evaluate
+    bundled = {(stage.__name__, field.name): field.default for stage in (sft, reward_model, ppo, evaluate)
+               for field in dataclasses.fields(stage.Args) if "toy_task" in str(field.default)}
+    assert set(bundled) >= {("sft", "model_name_or_path"), ("sft", "dataset"), ("reward_model", "dataset"),
+                            ("ppo", "dataset"), ("evaluate", "dataset")}
+    for name, default in bundled.items():
+        assert os.path.isabs(default) and os.path.exists(default) and not plumbing.is_hub_name(default), (name, default)
 
 
 # ---------------------------------------------------------------------------------------------------------------

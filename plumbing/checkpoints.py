@@ -1,11 +1,7 @@
 """A run's state on disk: an engine's training state in safetensors, the run started or resumed, its checkpoints."""
 
-import contextlib
-import json
 import math
 import os
-import re
-import shutil
 from dataclasses import asdict
 
 import deepspeed
@@ -14,10 +10,11 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-from .folders import (ITERATION_FOLDER, RECORD, RUN_NAME, WRITE_ERRORS, claim_output_dir, folder_identity, fsync_tree,
-                      new_run_name, open_log, own_path, read_record, refuse_entries_not_ours, save_engine_folder,
+from .folders import (RECORD, RUN_NAME, WRITE_ERRORS, claim_output_dir, commit_checkpoint, complete_checkpoints,
+                      continue_metrics_file, folder_identity, new_run_name, open_log, read_record, read_state,
+                      read_text, regular_file, remove_earlier_runs, run_metrics_file, save_engine_folder,
                       start_tensorboard, stop_after_failed_write, write_fix, write_json, write_whole)
-from .processes import fail, script
+from .processes import fail, on_rank_0, script
 
 
 def load_weights(engine, weights: dict[str, torch.Tensor]) -> None:
@@ -174,6 +171,8 @@ def engine_state_problem(folder: str, engine, trained: bool) -> str | None:
                                      engine.module.named_parameters() if param.requires_grad
                                      for moment in ("exp_avg", "exp_avg_sq")}
     for file, expected in files.items():
+        if not regular_file(os.path.join(folder, file)):  # never a FIFO, whose opening would wait for a writer
+            return f"{os.path.basename(folder)}/{file} is missing, or no file"
         try:
             with safetensors.safe_open(os.path.join(folder, file), "pt") as f:
                 if set(f.keys()) != set(expected) or any(f.get_slice(name).get_shape() != shape
@@ -199,90 +198,24 @@ def same_layout(value, template) -> bool:
     return type(value) is type(template)
 
 def changed_settings(saved: dict, args, may_change: list[str]) -> list[str]:
-    """The flags of this run whose values differ from those a checkpoint was written with, but for MAY_CHANGE; the
-    switches that the run was started with on and the script no longer has (a feature taken out); and the number of
-    ranks (the fields that follow from it are in MAY_CHANGE)."""
+    """The flags of this run whose values differ from those a checkpoint was written with, but for MAY_CHANGE, and the
+    number of ranks (the fields that follow from it are in MAY_CHANGE)."""
     changed = [f"--{name.replace('_', '-')} {saved[name]!r} (now {value!r})" for name, value in asdict(args).items()
                if name not in may_change and name in saved and saved[name] != value]
-    changed += [f"--{name.replace('_', '-')} (a switch that {script()} no longer has)" for name, value in saved.items()
-                if value is True and not hasattr(args, name)]
     if saved.get("world_size", args.world_size) != args.world_size:
         changed.append(f"the number of ranks {saved['world_size']} (now {args.world_size})")
     return changed
 
-def complete_checkpoints(checkpoint_dir: str) -> list[str]:
-    """The complete checkpoints (renamed from .tmp) in CHECKPOINT_DIR, newest first, the one `latest` names first."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    names = sorted((name for name in os.listdir(checkpoint_dir)
-                    if own_path(checkpoint_dir, name, ITERATION_FOLDER, is_dir=True)),
-                   key=lambda name: int(name.removeprefix("iteration_")), reverse=True)
-    with contextlib.suppress(OSError), open(os.path.join(checkpoint_dir, "latest")) as f:
-        latest = f.read().strip()
-        if latest in names:
-            names.insert(0, names.pop(names.index(latest)))
-    return [os.path.join(checkpoint_dir, name) for name in names]
-
-def commit_checkpoint(path: str, run_name: str) -> None:
-    """Rank 0: PATH.tmp flushed and renamed to PATH, then named in `latest`. Of the checkpoints of run RUN_NAME (their
-    state.json says so) the newest two stay (one older, if latest is damaged); the others go, and the iteration_N.tmp
-    folders of checkpoints cut short. A folder that no run wrote is never removed, nor counted."""
-    checkpoint_dir = os.path.dirname(path)
-    fsync_tree(path + ".tmp")
-    refuse_entries_not_ours(checkpoint_dir, [os.path.basename(path)])
-    if os.path.lexists(path) and not os.path.isfile(os.path.join(path, "state.json")):
-        fail(f"{path!r} is in the way of this run's checkpoint, and no run wrote it (no state.json): move it away")
-    shutil.rmtree(path, ignore_errors=True)  # a checkpoint of this iteration written before
-    os.replace(path + ".tmp", path)
-    fsync_tree(checkpoint_dir)
-    write_whole(os.path.join(checkpoint_dir, "latest"), os.path.basename(path))
-    fsync_tree(checkpoint_dir)
-    runs = [c for c in complete_checkpoints(checkpoint_dir) if (read_state(c) or {}).get("run_name") == run_name]
-    cut_short = re.compile(ITERATION_FOLDER.pattern + r"\.tmp")
-    for old in runs[2:] + [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)
-                           if own_path(checkpoint_dir, name, cut_short, is_dir=True)]:
-        shutil.rmtree(old)
-
-def remove_earlier_runs(folder: str, run_name: str, record_of) -> None:
-    """Rank 0, as a run writes into FOLDER (snapshots/, resume/): each iteration_N folder whose record (record_of(path))
-    names another run of this script goes; nothing else does. An earlier run's work stays until then."""
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        path = own_path(folder, name, ITERATION_FOLDER, is_dir=True)
-        if path and (record_of(path) or {}).get("run_name") not in (None, run_name):
-            shutil.rmtree(path)
-
-def run_metrics_file(record: dict) -> str | None:
-    """The metrics file a folder's record names if it is runs/RUN_NAME/metrics.jsonl (absolute) of the record's run, a
-    regular file or none yet; else None (a path read back from an output folder is untrusted)."""
-    named, run_name = record.get("metrics_file"), record.get("run_name")
-    if not (isinstance(named, str) and isinstance(run_name, str) and RUN_NAME.fullmatch(run_name)
-            and os.path.isabs(named) and named.split(os.sep)[-3:] == ["runs", run_name, "metrics.jsonl"]):
-        return None
-    regular = own_path(os.path.dirname(named), "metrics.jsonl", re.compile(r"metrics\.jsonl"))
-    return named if regular or not os.path.lexists(named) else None
-
-def continue_metrics_file(path: str, iteration: int) -> None:
-    """On --resume, the metrics.jsonl keeps the lines up to the checkpoint's ITERATION: not later or cut-short ones."""
-    if not os.path.lexists(path):
-        return
-    kept = []
-    try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:  # never through a link
-            for line in f:
-                with contextlib.suppress(ValueError, TypeError, KeyError):
-                    if json.loads(line)["iteration"] <= iteration:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-    except OSError as error:
-        fail(f"cannot continue {path!r} ({error.strerror}); {write_fix(error)} and run again")
-    write_whole(path, "".join(kept))
+OWNER = "output_dir.txt"  # in runs/RUN_NAME: the output folder whose run logs there, from the working folder
 
 def start_run(args, inputs: dict[str, str | None], subfolders: list[str], may_change: list[str]) -> dict:
     """Rank 0, before anything loads: the output folder claimed (claim_output_dir: nothing else is written), and a new
-    run, or with --resume the unfinished one in OUTPUT_DIR with its settings (but MAY_CHANGE) and models (INPUTS: flag
-    -> path; a model's flag names one), by content. Returns its name, its metrics.jsonl, the checkpoints to resume
-    from, newest first, and the models' identities (folder_identity)."""
-    models = {flag: path for flag, path in inputs.items() if "model" in flag}  # folders, known by their content
-    identities = {flag: folder_identity(path) for flag, path in models.items()}
+    run, or with --resume the unfinished one in OUTPUT_DIR with its settings (but MAY_CHANGE) and inputs (INPUTS: flag
+    -> path; a flag with "model" names a model folder, another a data set), known by content wherever they are now;
+    its logs in runs/RUN_NAME of the working folder, as tensorboard's. Returns its name, its metrics.jsonl, the
+    checkpoints to resume from, newest first, and the inputs' identities (folder_identity)."""
+    models = {flag: path for flag, path in inputs.items() if "model" in flag}  # checked again once loaded
+    identities = {flag: folder_identity(path, data=flag not in models) for flag, path in inputs.items()}
     record = read_record(args.output_dir) or {}  # an earlier run's, if this script wrote this folder before
     record = record if record.get("script") == script() else {}
     claim_output_dir(args.output_dir, inputs, args.overwrite, subfolders)
@@ -310,40 +243,57 @@ def start_run(args, inputs: dict[str, str | None], subfolders: list[str], may_ch
         fail(f"--resume: the state.json of every checkpoint in {checkpoint_dir} is missing or damaged; start a new "
              "run with --overwrite" if checkpoints else f"--resume: no complete checkpoint in {checkpoint_dir}; run "
              "with --save-every N first")
+    removed = [name for name, value in states[0]["args"].items() if value is True and not hasattr(args, name)]
+    if removed:
+        fail(f"--resume: the run was started with --{removed[0].replace('_', '-')}, which {script()} no longer has, "
+             "and no run can continue without it; start a new run with --overwrite, or name another --output-dir")
     changed = changed_settings(states[0]["args"], args, may_change)
     if changed:
         fail(f"--resume: the run was started with other settings: {', '.join(changed)}; resume with its settings "
              "(only how a run is saved, logged, sampled or laid out in memory may change)")
     replaced = [flag for flag, identity in record.get("inputs", {}).items() if identities.get(flag) != identity]
     if replaced:
-        fail(f"--resume: {replaced[0]} {inputs[replaced[0]]!r} does not hold the model the run started from (its "
-             "files differ); name that model's folder, wherever it is now")
-    # The metrics.jsonl it continues: the one its record names if that is the run's (else, said, one here).
-    run_name, named = record["run_name"], run_metrics_file(record)
-    metrics_file = named or os.path.abspath(os.path.join("runs", run_name, "metrics.jsonl"))
-    if named is None:
-        print(f"the run's record names {record.get('metrics_file')!r} as its metrics file, which is no "
-              f"runs/{run_name}/metrics.jsonl file: left alone; the metrics go to {metrics_file}")
+        what = "model" if replaced[0] in models else "data set"
+        fail(f"--resume: {replaced[0]} {inputs[replaced[0]]!r} does not hold the {what} the run started from (its "
+             f"files differ); name that {what}, wherever it is now")
+    run_name = record["run_name"]
+    logs = os.path.join("runs", run_name)
+    metrics_file = os.path.abspath(os.path.join(logs, "metrics.jsonl"))
+    if os.path.islink(logs) or os.path.lexists(logs) and not os.path.isdir(logs):
+        fail(f"{logs} is {'a link' if os.path.islink(logs) else 'no folder'}, where the run keeps its logs in a "
+             "folder of its own: move it away, then run again")
+    owner = read_text(os.path.join(logs, OWNER)).strip() if regular_file(os.path.join(logs, OWNER)) else ""
+    if owner and os.path.isdir(owner) and not os.path.samefile(owner, args.output_dir) \
+            and (read_record(owner) or {}).get("run_name") == run_name:  # both hold the run: this one is a copy
+        fail(f"--resume: {args.output_dir!r} is a copy of {owner!r}, whose run {run_name} logs to {logs} in this "
+             "folder: the copy would write into the original's logs. Move the original away (the copy then continues "
+             "the run), or resume the copy from another working folder (it then logs to that folder's runs/)")
+    named = run_metrics_file(record)  # where it logged before: another working folder's, or this one moved
+    if named and os.path.isfile(named) and not os.path.lexists(metrics_file):
+        print(f"the run's metrics up to its checkpoint are in {named}; from here on it logs to {metrics_file}")
     try:  # runs/RUN_NAME, made again if it is gone
-        os.makedirs(os.path.join("runs", run_name), exist_ok=True)
+        os.makedirs(logs, exist_ok=True)
     except OSError as error:
-        fail(f"cannot write the run's logs to runs/{run_name} ({error.strerror}); run from a folder you can write")
+        fail(f"cannot write the run's logs to {logs} ({error.strerror}); run from a folder you can write")
     return {"run_name": run_name, "metrics_file": metrics_file, "checkpoints": checkpoints, "inputs": identities,
             "models": models}
 
 def start_logging(run: dict, start_iteration: int, args, logs: list[str]) -> tuple:
-    """Rank 0, once every input has loaded and still holds what start_run fingerprinted (a stage saving into a model
-    folder meanwhile would make the run train from a model its record does not name): a new run's record replaces an
-    earlier run's; a resumed run's logs (metrics.jsonl and LOGS beside it) lose the lines after its checkpoint. Returns
-    the tensorboard writer and the open metrics.jsonl of the RUN (start_run's)."""
+    """Rank 0, once every input has loaded and the models still hold what start_run fingerprinted (a stage saving into
+    a model folder meanwhile would make the run train from a model its record does not name): the run's record written
+    (a new run's replaces an earlier run's; a resumed run's names where it logs now), and runs/RUN_NAME's OWNER; a
+    resumed run's logs (metrics.jsonl and LOGS beside it) lose the lines after its checkpoint. Returns the tensorboard
+    writer and the open metrics.jsonl of the RUN (start_run's)."""
     for flag, path in run["models"].items():
         if folder_identity(path) != run["inputs"][flag]:
             fail(f"{flag} {path!r} changed while this run loaded it (is a run writing into it?); run again once the "
                  "folder is written")
-    if not args.resume:
-        write_json(os.path.join(args.output_dir, RECORD), {
-            "script": script(), "finished": False, "run_name": run["run_name"], "metrics_file": run["metrics_file"],
-            "args": asdict(args), "inputs": run["inputs"]})
+    record = read_record(args.output_dir) if args.resume else None  # a resumed run's, kept but for where it logs
+    record = record or {"script": script(), "finished": False, "run_name": run["run_name"], "args": asdict(args)}
+    write_json(os.path.join(args.output_dir, RECORD), {**record, "metrics_file": run["metrics_file"],
+                                                       "inputs": run["inputs"]})
+    write_whole(os.path.join(os.path.dirname(run["metrics_file"]), OWNER),
+                os.path.relpath(os.path.realpath(args.output_dir), os.path.realpath(".")) + "\n")
     writer = start_tensorboard(run["run_name"], args,
                                purge_step=start_iteration * args.batch_size + 1 if args.resume else None)
     for path in [run["metrics_file"], *(os.path.join(os.path.dirname(run["metrics_file"]), log) for log in logs)]:
@@ -351,18 +301,6 @@ def start_logging(run: dict, start_iteration: int, args, logs: list[str]) -> tup
         open_log(path).close()
     print(f"{args.num_iterations} iterations of {args.batch_size} episodes; logging to {writer.log_dir}")
     return writer, open_log(run["metrics_file"])
-
-def read_state(checkpoint: str) -> dict | None:
-    """A checkpoint's state.json, or None if it does not read or a value is not of its kind (the file is untrusted):
-    the iteration an int, the args and each engine's state a dict, the run name text, each other a finite number."""
-    with contextlib.suppress(OSError, ValueError, RecursionError), open(os.path.join(checkpoint, "state.json")) as f:
-        state = json.load(f)
-        if isinstance(state, dict) and type(state.get("iteration")) is int and isinstance(state.get("args"), dict) \
-                and isinstance(state.get("run_name", ""), str) and all(
-                    isinstance(value, dict) or type(value) in (int, float) and math.isfinite(value)
-                    for key, value in state.items() if key != "run_name"):
-            return state
-    return None
 
 def load_checkpoint(checkpoints: list[str], trained: dict, frozen: dict, values: list[str], rank_keys: list[str],
                     args, device) -> tuple[dict, dict | None]:
@@ -410,6 +348,8 @@ def checkpoint_problem(checkpoint: str, state: dict | None, trained: dict, froze
         if problem := engine_state_problem(os.path.join(checkpoint, name), engine, name in trained):
             return problem
     for file in sorted(name for name in os.listdir(checkpoint) if name.startswith("rank_")):
+        if not regular_file(os.path.join(checkpoint, file)):
+            return f"{file} is not a rank's file of tensors"
         try:
             with safetensors.safe_open(os.path.join(checkpoint, file), "pt") as f:
                 if set(f.keys()) != set(rank_keys):
@@ -422,20 +362,16 @@ def save_checkpoint(iteration: int, run_name: str, trained: dict, frozen: dict, 
                     rank_tensors: dict[str, torch.Tensor], args) -> None:
     """A checkpoint for --resume in OUTPUT_DIR/resume/iteration_N, whole or not at all: the state of the TRAINED and
     FROZEN engines (name -> engine, or None), the iteration, VALUES (name -> number) and each rank's RANK_TENSORS
-    (every rank takes part); rank 0 writes the rest, and first removes an earlier run's checkpoints."""
+    (every rank takes part); rank 0 writes the rest (begin_checkpoint first)."""
     is_main = dist.get_rank() == 0
     checkpoint_dir = os.path.join(args.output_dir, "resume")
     path = os.path.join(checkpoint_dir, f"iteration_{iteration}")
-    if is_main:  # before this run's own: their space is free, and a failed write names only this run's checkpoint
-        remove_earlier_runs(checkpoint_dir, run_name, read_state)
-        shutil.rmtree(path + ".tmp", ignore_errors=True)  # this iteration's, cut short: written anew, not through
-    dist.barrier()
+    state = {"iteration": iteration, **values, "args": asdict(args), "run_name": run_name}
+    on_rank_0(lambda: begin_checkpoint(path, state))
     try:
-        state = {"iteration": iteration, **values, "args": asdict(args), "run_name": run_name}
         for name, engine in {**trained, **frozen}.items():
             if engine is not None:
                 state[name] = save_training_state(engine, os.path.join(path + ".tmp", name), is_main)
-        os.makedirs(path + ".tmp", exist_ok=True)
         safetensors.torch.save_file({k: v.cpu().contiguous() for k, v in rank_tensors.items()},
                                     os.path.join(path + ".tmp", f"rank_{dist.get_rank()}.safetensors"))
         dist.barrier()  # every rank's tensors are written before rank 0 commits
@@ -446,6 +382,19 @@ def save_checkpoint(iteration: int, run_name: str, trained: dict, frozen: dict, 
         kept = complete_checkpoints(checkpoint_dir)
         stop_after_failed_write(error, path + ".tmp", f"the checkpoint {path!r}", f"--resume continues from "
                                 f"{kept[0]!r}" if kept else "no checkpoint is complete yet")
+
+def begin_checkpoint(path: str, state: dict) -> None:
+    """Rank 0, before the checkpoint PATH is written: an earlier run's checkpoints removed (their space is free, and a
+    failed write names only this run's checkpoint), then PATH.tmp made, its STATE (the engines' to come) its first file:
+    from its first byte on, a folder that a later run recognises as a run's."""
+    remove_earlier_runs(os.path.dirname(path), state["run_name"], read_state)
+    try:
+        os.makedirs(path + ".tmp")  # (one that a run left is gone: finish_removals)
+    except OSError as error:
+        fail(f"cannot write the checkpoint {path + '.tmp'!r} ({error.strerror}); " + (
+            "it is in the way, and no run wrote it (no state.json): move it away" if os.path.lexists(path + ".tmp")
+            else write_fix(error) + ", then run again with --resume"))
+    write_json(os.path.join(path + ".tmp", "state.json"), state)
 
 def save_snapshot(engine, tokenizer, iteration: int, saved_by: dict, args) -> None:
     """The engine's model as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N, after every --snapshot-every

@@ -18,12 +18,17 @@ from transformers import AutoConfig, AutoTokenizer
 from .processes import fail
 
 
+# The bundled toy task (its base model, data and pretraining text): the stages' defaults, found from any working folder.
+TOY_TASK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_task")
+
 def is_hub_name(path: str) -> bool:
     """True for `name` or `org/name` that from_pretrained would look up on the hub. Never for a local-looking path:
-    the stages' outputs (checkpoints/..., even before they exist), or a near miss of a folder here (chekpoints/sft)."""
+    the stages' outputs (checkpoints/..., even before they exist), toy_task/..., or a near miss of a folder here
+    (chekpoints/sft)."""
     first = path.split("/")[0]
     here = [name for name in os.listdir(".") if os.path.isdir(name)] + ["checkpoints"]
-    return not (os.path.exists(path) or path.startswith(("/", ".", "~", "checkpoints/")) or path.count("/") > 1
+    local = ("/", ".", "~", "checkpoints/", "toy_task/")
+    return not (os.path.exists(path) or path.startswith(local) or path.count("/") > 1
                 or os.path.isdir(first) or difflib.get_close_matches(first, here, n=1, cutoff=0.8))
 
 def check_model_folder(path: str, hint: str) -> None:
