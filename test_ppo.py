@@ -1049,7 +1049,7 @@ def test_ppo_bad_input(stages, bad, wrong, tmp_path, capsys):
 def test_text_in_square_brackets_is_printed_as_text(stages, tmp_path):
     """Prompts in Llama 2's chat form, "[INST] ... [/INST]", and a response that spells rich's markup: ppo.py's
     samples table and evaluate.py's tables print them as they are (rich would read them as its markup and stop)."""
-    rows = [json.loads(line) for line in open("toy_task/data/test.jsonl")][:8]
+    rows = [json.loads(line) for line in open(os.path.join(plumbing.TOY_TASK, "data", "test.jsonl"))][:8]
     write_jsonl(tmp_path / "inst.jsonl", [{**row, "prompt": f"[INST] {row['prompt']} [/INST]"} for row in rows])
     flags = ["--dataset", str(tmp_path / "inst.jsonl"), "--max-prompt-len", "48"]
     result, exp_name = run_ppo(stages, tmp_path / "ppo", "--total-episodes", "8", *flags, here=True)
