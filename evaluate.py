@@ -108,23 +108,20 @@ def main(args: Args) -> None:
     plumbing.check_positions(args.sft_model, args.max_prompt_len + args.max_new_tokens, f"--max-prompt-len "
                              f"{args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}", args.trust_remote_code)
 
-    # The SFT tokenizer pads on the left, so that every prompt ends where its response starts.
-    tokenizer = plumbing.load_generating_tokenizer(args.sft_model, "--sft-model", args.trust_remote_code)
+    # The SFT tokenizer pads on the left, so that every prompt ends where its response starts; a reward model with a
+    # tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
+    tokenizer, reward_tokenizer = plumbing.check_tokens(args.sft_model, "--sft-model", args.reward_model,
+                                                        "--reward-model", {}, args.trust_remote_code)
     ppo_tokenizer = plumbing.load_tokenizer(args.ppo_model, "check --ppo-model", args.trust_remote_code)
     if ppo_tokenizer.get_vocab() != tokenizer.get_vocab():
         plumbing.fail(f"{args.ppo_model!r} has another tokenizer than the SFT model {args.sft_model!r}; check "
                       "--ppo-model")
-    # A reward model with a tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.
-    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model, "check --reward-model", tokenizer,
-                                                     args.trust_remote_code)
-    for path, flag, path_tokenizer in [(args.sft_model, "--sft-model", tokenizer), (args.ppo_model, "--ppo-model",
-                                       tokenizer), (args.reward_model, "--reward-model", reward_tokenizer)]:
-        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
+    plumbing.check_vocabulary(tokenizer, args.ppo_model, "check --ppo-model", args.trust_remote_code)
     # The SFT model reads the PPO policy's and the snapshots' ids, the reward model every policy's (in the same tokens).
-    readers = {"--reward-model": args.reward_model} if reward_tokenizer is None else {}
-    plumbing.check_embedding_rows("--sft-model", args.sft_model, readers, args.trust_remote_code)
+    readers = {"--sft-model": args.sft_model, **({"--reward-model": args.reward_model} if reward_tokenizer is None
+                                                 else {})}
     for path, flag in [(args.ppo_model, "--ppo-model")] + [(path, "--snapshots-dir") for path in snapshots]:
-        plumbing.check_embedding_rows(flag, path, {"--sft-model": args.sft_model, **readers}, args.trust_remote_code)
+        plumbing.check_embedding_rows(flag, path, readers, args.trust_remote_code)
     prompts = plumbing.load_prompts(tokenizer, args.dataset, args.split, args.prompt_column, args.max_prompt_len, True,
                                     args.assistant_marker if args.split_conversations else None)
 

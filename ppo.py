@@ -45,9 +45,8 @@ from plumbing import CountInt, Fraction, NonNegativeFloat, PositiveFloat, Positi
 
 @dataclass
 class Algorithm:
-    """PPO-RLHF's hyperparameters, the flags to read first. Args, below the banner, adds those that can wait (models
-    and data, the experiment, scale and memory, the extras, the fields filled in at run time); --help lists them all,
-    in this order."""
+    """PPO-RLHF's hyperparameters, the flags to read first; Args (below the banner) adds those that can wait: models
+    and data, the experiment, scale and memory, the extras, the fields filled in at run time."""
 
     # The algorithm: the rollout
     total_episodes: PositiveInt = 4096
@@ -95,7 +94,7 @@ class Algorithm:
     cliprange_value: PositiveFloat = 0.2
     """the value function's clip range around the rollout's values"""
     loss_aggregation: Literal["token-mean", "micro-batch-mean"] = "token-mean"
-    """token-mean: every in-mask token of a mini-batch (all its micro-batches, all ranks) weighs the same in the losses;
+    """token-mean: each in-mask token of a mini-batch (all its micro-batches and ranks) weighs the same in the losses;
     micro-batch-mean: each micro-batch's token mean does, as in DeepSpeed-Chat and TRL (detail 38)"""
     actor_learning_rate: PositiveFloat = 2e-4
     """actor learning rate, decayed linearly to 0 (the toy default; real models of 1B parameters want about 3e-6)"""
@@ -297,19 +296,9 @@ def main(args: Args) -> None:
         if args.save_every and (iteration + 1) % args.save_every == 0:  # for --resume
             plumbing.save_checkpoint(iteration + 1, run["run_name"], *saved, {"kl_coef": kl_coef}, last_valid, args)
 
-    # Save the trained actor and critic as ordinary Hugging Face folders, then mark the run finished.
-    record = {**saved_by, "iteration": args.num_iterations, "finished": True}
-    for name, engine in [("actor", actor), ("critic", critic), ("actor_ema", ema)]:
-        if engine is not None:
-            plumbing.save_engine_folder(engine, tokenizer, os.path.join(args.output_dir, name), record,
-                                        merge_lora=True)
-    if is_main:
-        plumbing.write_json(os.path.join(args.output_dir, plumbing.RECORD),
-                            {**(plumbing.read_record(args.output_dir) or saved_by), "finished": True})
-        print(f"saved the actor and the critic to {args.output_dir}/actor and {args.output_dir}/critic "
-              f"in {time.time() - start_time:.0f}s")
-        metrics_file.close()
-        writer.close()
+    # Save the trained actor and critic (and the EMA) as ordinary Hugging Face folders, then mark the run finished.
+    plumbing.finish_run({"actor": actor, "critic": critic, "actor_ema": ema}, tokenizer, saved_by,
+                        [metrics_file, writer] if is_main else [], start_time, args)
     plumbing.end_run()
 
 
@@ -348,12 +337,11 @@ def prompts_of_iteration(prompts: list, iteration: int, rank: int, args: Args) -
 def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: bool = False) -> torch.Tensor:
     """model.generate(generation_config=config) written out, the same tokens from the same seed (test_ppo): a_t ~
     softmax(z / temperature) with do_sample, else argmax z, z the next-token logits, with the key-value cache. [B, P]
-    left-padded prompts -> [B, max_new_tokens], pad after each EOS (one id, a list or none), stopped early once all
-    have stopped (synced: on every rank, as ZeRO-3 gathers each layer on all ranks). What config leaves unset comes
-    from the model's generation_config, as in generate; a config that sample does not follow (generation_settings), or
-    logits that are not finite, raise ValueError with one line. Pasted alone it needs `import copy`, `import math`,
-    `import torch`, `import torch.distributed as dist`, `from transformers import GenerationConfig`,
-    generation_settings, NOT_FOLLOWED, PLAIN_SAMPLING and position_ids_from."""
+    left-padded prompts -> [B, max_new_tokens], pad after each EOS (one id, a list or none), stopped once all have
+    (synced: on all ranks). What config leaves unset comes from the model's generation_config, as in generate; a config
+    that sample does not follow (generation_settings), or logits not finite, raise ValueError with one line. Pasted
+    alone it needs `import copy`, `import math`, `import torch`, `import torch.distributed as dist`, `from transformers
+    import GenerationConfig`, generation_settings, NOT_FOLLOWED, PLAIN_SAMPLING and position_ids_from."""
     config = generation_settings(model, config)
     temperature = 1.0 if config.temperature is None or not config.do_sample else config.temperature
     eos = torch.tensor([config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id or [],
@@ -386,9 +374,8 @@ def sample(model, prompt_ids, prompt_mask, config: GenerationConfig, synced: boo
     return torch.nn.functional.pad(responses, (0, config.max_new_tokens - responses.shape[1]),
                                    value=config.pad_token_id)
 
-# The settings of a GenerationConfig with which generate would draw other tokens than `sample`, each with the value at
-# which it does nothing (as unset). PLAIN_SAMPLING's act with do_sample only (PPO's log-probs would not be those of the
-# distribution sampled); there an unset top_k is generate's top-50.
+# The settings with which generate would draw other tokens than `sample`, each with its value that does nothing (as
+# unset). PLAIN_SAMPLING's act with do_sample only, an unset top_k there meaning generate's top-50.
 NOT_FOLLOWED = {"num_beams": 1, "num_return_sequences": 1, "min_length": 0, "min_new_tokens": 0,
                 "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "guidance_scale": 1.0, "bad_words_ids": None,
                 "sequence_bias": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
@@ -398,10 +385,9 @@ PLAIN_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "eps
                   "top_h": None}
 
 def generation_settings(model, config: GenerationConfig) -> GenerationConfig:
-    """A copy of CONFIG as generate reads it, what it leaves unset taken from the model's generation_config; a
-    ValueError with one line if it sets no max_new_tokens or pad_token_id, or a setting of NOT_FOLLOWED (with
-    do_sample, of PLAIN_SAMPLING) that acts. Pasted alone it needs `import copy`, `from transformers import
-    GenerationConfig`, NOT_FOLLOWED and PLAIN_SAMPLING."""
+    """CONFIG as generate reads it, the model's generation_config filling what it leaves unset; one-line ValueError if
+    it sets no max_new_tokens or pad_token_id, or a setting of NOT_FOLLOWED (with do_sample, PLAIN_SAMPLING) that acts.
+    Pasted alone it needs `import copy`, `from transformers import GenerationConfig`, NOT_FOLLOWED, PLAIN_SAMPLING."""
     config = copy.deepcopy(config)
     if getattr(model, "generation_config", None) is not None:
         config.update(**model.generation_config.to_dict(), defaults_only=True)
@@ -420,8 +406,7 @@ def generation_settings(model, config: GenerationConfig) -> GenerationConfig:
     return config
 
 def in_micro_batches(function, size: int, model, sequences: torch.Tensor, attention_mask: torch.Tensor, *args):
-    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, joined: one's memory.
-    Pasted alone it needs `import torch`."""
+    """function(model, sequences, attention_mask, *args) over micro-batches of `size` rows, joined: one's memory."""
     return torch.cat([function(model, sequences[i : i + size], attention_mask[i : i + size], *args)
                       for i in range(0, len(sequences), size)])
 
@@ -441,8 +426,7 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, :-1]
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses.
-    Pasted alone it needs `import torch`."""
+    """Positions that skip the left padding of the prompts: 0 at each prompt's first real token, as generate uses."""
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 def critic_values(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, mean: float,
@@ -515,14 +499,10 @@ def zero_stages(args: Args) -> dict[str, int]:
             "reward": 3 if args.critic_zero_stage == 3 or args.offload_reward_model else 0}
 
 def critic_start(args: Args, reward_tokenizer) -> tuple[str, str]:
-    """Where the critic starts (detail 23), and the flag that names it: --critic-model-name-or-path, else the reward
-    model; the critic reads the actor's tokens, so with a reward model of another tokenizer (reward_tokenizer), the
-    actor, with a fresh head."""
-    if args.critic_model_name_or_path:
-        return args.critic_model_name_or_path, "--critic-model-name-or-path"
-    if reward_tokenizer:
-        return args.actor_model_name_or_path, "--actor-model-name-or-path"
-    return args.reward_model_name_or_path, "--reward-model-name-or-path"
+    """Where the critic starts (detail 23), and its flag: --critic-model-name-or-path, else the reward model, or the
+    actor with a fresh head when the reward model reads other tokens (reward_tokenizer) than the critic will."""
+    model = "critic" if args.critic_model_name_or_path else "actor" if reward_tokenizer else "reward"
+    return getattr(args, f"{model}_model_name_or_path"), f"--{model}-model-name-or-path"
 
 def build_engines(args: Args, reward_tokenizer):
     """Actor, reference, critic and reward model (and with --enable-ema the actor's EMA, else None), each checked:
@@ -621,9 +601,8 @@ def check_score_head(model, path: str, flag: str) -> None:
 # ===============================================================================================================
 
 
-# --- The flags that can wait, after the algorithm's (Algorithm, at the top); --help lists them in this order. ---
 @dataclass
-class Args(Algorithm):
+class Args(Algorithm):  # the flags that can wait, after the algorithm's (at the top); --help lists them in this order
     # Models and data
     actor_model_name_or_path: str = "checkpoints/sft"
     """the SFT model (stage 1): the actor and the reference start from it"""
@@ -663,11 +642,10 @@ class Args(Algorithm):
     save_every: CountInt = 0
     """write a checkpoint of actor, critic and their optimizers every this many iterations, for --resume (0: never)"""
     trace_every: CountInt = 0
-    """every this many iterations, print one response token by token with each RL quantity the loop computed for it
-    (docs/algorithm.md, "One response, position by position") and append it to runs/RUN_NAME/trace.jsonl (0: never)"""
+    """every this many iterations, print one response position by position with each quantity the loop computed for
+    it (docs/algorithm.md) and append it to runs/RUN_NAME/trace.jsonl (0: never)"""
     trace_response: Literal["stopped", "cut"] = "stopped"
-    """the response --trace-every shows: the first that stopped with EOS (the limit's last token may be it), or the
-    first cut at the limit"""
+    """the response --trace-every shows: the first that stopped with EOS (its last token, maybe), or the first cut"""
     snapshot_every: CountInt = 0
     """save the actor in OUTPUT_DIR/snapshots/iteration_N every this many iterations and the last (0: never), for
     evaluate.py's picture of reward-model and gold scores along training"""
@@ -771,28 +749,15 @@ def check_args(args: Args) -> None:
 def check_models(args: Args, is_main: bool):
     """The model folders, configs and tokenizers, checked before the output folder is claimed and any model loads.
     Returns the actor's tokenizer (left padding), the reward model's if it is another (else None), and its config."""
+    critics = {"--critic-model-name-or-path": args.critic_model_name_or_path} if args.critic_model_name_or_path else {}
     plumbing.check_model_folder(args.actor_model_name_or_path, "run sft.py first or check --actor-model-name-or-path")
-    plumbing.check_model_folder(args.reward_model_name_or_path,
-                                "run reward_model.py first or check --reward-model-name-or-path")
-    tokenizer = plumbing.load_generating_tokenizer(args.actor_model_name_or_path, "--actor-model-name-or-path",
-                                                   args.trust_remote_code)
+    for flag, path in {**critics, "--reward-model-name-or-path": args.reward_model_name_or_path}.items():
+        plumbing.check_model_folder(path, f"run reward_model.py first or check {flag}")
     check_not_saved_by_ppo(args.reward_model_name_or_path, "--reward-model-name-or-path")
-    reward_tokenizer = plumbing.load_other_tokenizer(args.reward_model_name_or_path, "check "
-                                                     "--reward-model-name-or-path", tokenizer, args.trust_remote_code)
-    critic_path, critic_flag = critic_start(args, reward_tokenizer)
-    plumbing.check_model_folder(critic_path, f"run reward_model.py first or check {critic_flag}")
-    for path, flag, path_tokenizer in [(args.actor_model_name_or_path, "--actor-model-name-or-path", tokenizer),
-                                       (critic_path, critic_flag, tokenizer), (args.reward_model_name_or_path,
-                                                                              "--reward-model-name-or-path",
-                                                                              reward_tokenizer)]:
-        plumbing.check_vocabulary(path_tokenizer or tokenizer, path, f"check {flag}", args.trust_remote_code)
     # The reference and the critic (and the reward model, in the actor's tokens) read the ids the actor samples.
-    readers = {"--reward-model-name-or-path": args.reward_model_name_or_path} if reward_tokenizer is None else {}
-    plumbing.check_embedding_rows("--actor-model-name-or-path", args.actor_model_name_or_path,
-                                  {**readers, critic_flag: critic_path}, args.trust_remote_code)
-    if reward_tokenizer and is_main:
-        print("the reward model has another tokenizer than the actor: every prompt + response is decoded to text and "
-              f"tokenized again for it; the critic starts from {critic_path!r}")
+    tokenizer, reward_tokenizer = plumbing.check_tokens(args.actor_model_name_or_path, "--actor-model-name-or-path",
+                                                        args.reward_model_name_or_path, "--reward-model-name-or-path",
+                                                        critics, args.trust_remote_code)
     plumbing.check_positions(args.actor_model_name_or_path, args.max_prompt_len + args.max_new_tokens,
                              f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}",
                              args.trust_remote_code)
@@ -801,8 +766,7 @@ def check_models(args: Args, is_main: bool):
     return tokenizer, reward_tokenizer, reward_config
 
 def check_not_saved_by_ppo(path: str, flag: str) -> None:
-    """A folder that ppo.py saved (an actor or a critic: its training_run.json says so) is no reward model, though a
-    critic loads as one: its value head would become the reward."""
+    """A folder that ppo.py saved (its record says so) is no reward model, though a critic loads as one."""
     if (plumbing.read_record(path) or {}).get("script") == "ppo.py":
         plumbing.fail(f"{flag} {path!r} was saved by ppo.py (a trained actor or critic, says its {plumbing.RECORD}), "
                       "not by reward_model.py: a critic's values are no reward; give reward_model.py's output folder")
@@ -876,10 +840,8 @@ ROLLOUT = ["sequences", "attention_mask", "logprobs", "values", "advantages", "r
 def new_or_resumed_run(args: Args) -> dict:
     """Rank 0's checks of the output folder before anything loads, and the run: a new one, or the unfinished one that
     --resume continues with its settings and inputs (plumbing.start_run); the output folder is none of its inputs."""
-    inputs = {"--actor-model-name-or-path": args.actor_model_name_or_path,
-              "--reward-model-name-or-path": args.reward_model_name_or_path,
-              "--critic-model-name-or-path": args.critic_model_name_or_path, "--dataset": args.dataset,
-              "--unsup-dataset": args.unsup_dataset}
+    inputs = {f"--{name.replace('_', '-')}": path for name, path in vars(args).items()  # models and data sets
+              if name.endswith(("model_name_or_path", "dataset"))}
     return plumbing.start_run(args, inputs, OUTPUT_SUBFOLDERS, RESUME_MAY_CHANGE)
 
 # --- Logging: TRL's metric names (README, "Metrics"), to tensorboard, metrics.jsonl and, with --track, wandb. ---
@@ -993,13 +955,7 @@ def trace_response(iteration: int, tokenizer, first_logprobs, rollout: dict, run
         line["ratio"] = math.exp(line["new_logprob"] - line["logprob"]) if seen[row] else None
         lines.append(line)
     print(f"iteration {iteration + 1}: response {row} of rank 0, position by position (--trace-every)")
-    names = list(lines[0])[2:]
-    print(" ".join(f"{name:>{14 if name == 'token' else 11}}" for name in names))
-    for line in lines:
-        print(" ".join(("-" if v is None else f"{v:.4f}" if isinstance(v, float) else repr(v)[:14] if isinstance(
-            v, str) else str(v)).rjust(14 if isinstance(v, str) else 11) for v in map(line.get, names)))
-    with plumbing.open_log(os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl")) as f:
-        plumbing.append_line(f, "\n".join(map(json.dumps, lines)))
+    plumbing.log_rows(os.path.join(os.path.dirname(run["metrics_file"]), "trace.jsonl"), lines, list(lines[0])[2:])
 
 
 # --- DeepSpeed-Chat's extras, each off by default and called from one place (docs/extras.md): the EMA, the pretraining

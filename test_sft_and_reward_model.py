@@ -376,7 +376,7 @@ def test_reward_model_held_out_figures_leave_out_the_filler_pair(reward_model_wi
     columns = ["prompt", "chosen", "rejected"]
     for recorded, _, out in reward_model_windows.values():
         tokenizer = check_tokenizer(out)
-        pairs = reward_model.tokenize_pairs(plumbing.load_split("toy_task/data", "test[:7]", columns), tokenizer,
+        pairs = reward_model.tokenize_pairs(plumbing.load_split(TOY_DATA, "test[:7]", columns), tokenizer,
                                             reward_model.Args(), "test[:7]")
         assert len(pairs) == 7
         model = AutoModelForSequenceClassification.from_pretrained(out).eval()

@@ -2,6 +2,7 @@
 
 import math
 import os
+import time
 from dataclasses import asdict
 
 import deepspeed
@@ -395,6 +396,21 @@ def begin_checkpoint(path: str, state: dict) -> None:
             "it is in the way, and no run wrote it (no state.json): move it away" if os.path.lexists(path + ".tmp")
             else write_fix(error) + ", then run again with --resume"))
     write_json(os.path.join(path + ".tmp", "state.json"), state)
+
+def finish_run(engines: dict, tokenizer, saved_by: dict, logs: list, start_time: float, args) -> None:
+    """The end of a run: each engine (name -> engine, or None) saved as a Hugging Face folder in OUTPUT_DIR/NAME, LoRA
+    merged in (every rank takes part), then the run's record marked finished and rank 0's LOGS closed."""
+    record = {**saved_by, "iteration": args.num_iterations, "finished": True}
+    saved = [name for name, engine in engines.items() if engine is not None]
+    for name in saved:
+        save_engine_folder(engines[name], tokenizer, os.path.join(args.output_dir, name), record, merge_lora=True)
+    if dist.get_rank() == 0:
+        write_json(os.path.join(args.output_dir, RECORD), {**(read_record(args.output_dir) or saved_by),
+                                                           "finished": True})
+        print(f"saved the {' and the '.join(saved)} to {', '.join(f'{args.output_dir}/{name}' for name in saved)} in "
+              f"{time.time() - start_time:.0f}s")
+        for log in logs:
+            log.close()
 
 def save_snapshot(engine, tokenizer, iteration: int, saved_by: dict, args) -> None:
     """The engine's model as a Hugging Face folder in OUTPUT_DIR/snapshots/iteration_N, after every --snapshot-every

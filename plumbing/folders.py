@@ -289,6 +289,16 @@ def append_line(file, line: str) -> None:
         fail(f"cannot write to {file.name!r} ({error.strerror}); {write_fix(error)}, then continue the run with "
              "--resume")
 
+def log_rows(path: str, rows: list[dict], shown: list[str]) -> None:
+    """ROWS printed as columns of their SHOWN keys (text as its repr, cut at 14 characters; a float to 4 places; None
+    as -) and appended to the log file PATH, one JSON object a line."""
+    print(" ".join(f"{name:>{14 if isinstance(rows[0].get(name), str) else 11}}" for name in shown))
+    for row in rows:
+        print(" ".join(("-" if v is None else f"{v:.4f}" if isinstance(v, float) else repr(v)[:14] if isinstance(
+            v, str) else str(v)).rjust(14 if isinstance(v, str) else 11) for v in map(row.get, shown)))
+    with open_log(path) as f:
+        append_line(f, "\n".join(map(json.dumps, rows)))
+
 def new_run_name(exp_name: str, seed: int) -> str:
     """A new run's name, EXP_NAME__SEED__TIME (cleanrl's), and its folder runs/RUN_NAME for its logs, made for it alone:
     a run started in the same second under the same name gets RUN_NAME_2 (and so on), and says so."""

@@ -162,6 +162,26 @@ def check_embedding_rows(flag: str, path: str, readers: dict[str, str], trust_re
                  f"{embedded}: an id past them would stop the run; give models of one vocabulary size (resize "
                  f"the smaller one's embeddings with model.resize_token_embeddings({sampled}) and save it)")
 
+def check_tokens(policy: str, policy_flag: str, scorer: str, scorer_flag: str, readers: dict[str, str],
+                 trust_remote_code: bool) -> tuple:
+    """A model that samples and the models that read what it samples, checked before any loads. Returns the POLICY's
+    tokenizer (load_generating_tokenizer) and the SCORER's if its tokens are others (load_other_tokenizer: each text
+    is then tokenized again for it), else None. Each tokenizer fits its model's embeddings (check_vocabulary), and each
+    model that reads the policy's ids (READERS: flag -> path, and a scorer of the same tokens) embeds every row that
+    the policy samples from (check_embedding_rows)."""
+    tokenizer = load_generating_tokenizer(policy, policy_flag, trust_remote_code)
+    scorer_tokenizer = load_other_tokenizer(scorer, f"check {scorer_flag}", tokenizer, trust_remote_code)
+    check_vocabulary(tokenizer, policy, f"check {policy_flag}", trust_remote_code)
+    if scorer_tokenizer is None:
+        readers = {**readers, scorer_flag: scorer}
+    else:
+        check_vocabulary(scorer_tokenizer, scorer, f"check {scorer_flag}", trust_remote_code)
+        if os.environ.get("RANK", "0") == "0":  # the global rank: once per run
+            print(f"{scorer_flag} {scorer!r} has another tokenizer than {policy_flag}: every prompt + response is "
+                  "decoded to text and tokenized again for it")
+    check_embedding_rows(policy_flag, policy, readers, trust_remote_code)
+    return tokenizer, scorer_tokenizer
+
 def load_other_tokenizer(path: str, hint: str, tokenizer, trust_remote_code: bool):
     """The tokenizer of the model at PATH if its tokens are not TOKENIZER's (text is then tokenized again for it, which
     needs its own EOS and pad token), else None."""
