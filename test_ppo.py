@@ -387,6 +387,14 @@ def test_resume_continues_only_the_run_it_claims(tmp_path, monkeypatch):
         shutil.rmtree(os.path.join("runs", run_name))
 
 
+def made_up_checkpoint(out, run_name, args):
+    """OUT/resume/iteration_2 as --resume reads it before any model loads: a state.json of RUN_NAME's, with ARGS."""
+    (out / "resume" / "iteration_2").mkdir(parents=True)
+    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
+        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
+        "run_name": run_name})
+
+
 def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, capsys):
     """--resume continues runs/RUN_NAME/metrics.jsonl of the working folder (up to its checkpoint), whatever file the
     folder's record names, which stays as it was; a record whose run name is none that a run writes stops it. Runs
@@ -405,10 +413,7 @@ def test_a_run_trusts_no_path_its_output_folder_names(tmp_path, monkeypatch, cap
 
     first = start()
     plumbing.start_logging(first, 0, args, [])[1].close()
-    (out / "resume" / "iteration_2").mkdir(parents=True)
-    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
-        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
-        "run_name": first["run_name"]})
+    made_up_checkpoint(out, first["run_name"], args)
     record, notes = plumbing.read_record(str(out)), tmp_path / "notes.jsonl"
     notes.write_text("the user's\n")
     plumbing.write_json(str(out / plumbing.RECORD), {**record, "metrics_file": str(notes)})
@@ -513,10 +518,7 @@ def test_resume_knows_the_models_by_their_content_not_their_paths(tmp_path, monk
                     actor_model_name_or_path=str(tmp_path / "sft"), reward_model_name_or_path=str(tmp_path / "rm"))
     run = ppo.new_or_resumed_run(args)
     plumbing.start_logging(run, 0, args, [])[1].close()
-    (out / "resume" / "iteration_2").mkdir(parents=True)
-    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
-        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
-        "run_name": run["run_name"]})
+    made_up_checkpoint(out, run["run_name"], args)
 
     def resume(**changes):
         (out / ".lock").unlink(missing_ok=True)  # the lock of the run before, which has ended
@@ -572,10 +574,7 @@ def test_a_moved_or_copied_run_logs_to_its_own_runs_folder(tmp_path, monkeypatch
     for iteration in (1, 2):
         plumbing.append_line(metrics_file, json.dumps({"iteration": iteration}))
     metrics_file.close()
-    (project / "out" / "resume" / "iteration_2").mkdir(parents=True)
-    plumbing.write_json(str(project / "out" / "resume" / "iteration_2" / "state.json"), {
-        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
-        "run_name": first["run_name"]})
+    made_up_checkpoint(project / "out", first["run_name"], args)
     logs = os.path.join("runs", first["run_name"])
     shutil.copytree(project / "out", project / "copy")  # a copy of the output folder beside the original
     shutil.copytree(project, tmp_path / "project_copy")  # a copy of the whole project
@@ -623,10 +622,7 @@ def test_a_fifo_in_the_output_folder_stops_a_run_in_one_line(tmp_path, monkeypat
     args = ppo.Args(output_dir=str(out), exp_name="test_fifo", save_every=2, world_size=1, batch_size=64)
     run = ppo.new_or_resumed_run(args)
     plumbing.start_logging(run, 0, args, [])[1].close()
-    (out / "resume" / "iteration_2").mkdir(parents=True)
-    plumbing.write_json(str(out / "resume" / "iteration_2" / "state.json"), {
-        "iteration": 2, "kl_coef": 0.1, "actor": {}, "critic": {}, "args": dataclasses.asdict(args),
-        "run_name": run["run_name"]})
+    made_up_checkpoint(out, run["run_name"], args)
     os.mkfifo(out / "resume" / "latest")
     os.remove(out / ".lock")
     with never_waits_on(out / "resume" / "latest"):
