@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import plumbing
 import rlhf_math
@@ -105,8 +105,9 @@ def main(args: Args) -> None:
     args.metrics_file = training_metrics_file(args)
     check_not_saved_by_ppo(args.reward_model, "--reward-model")
     plumbing.check_classifier_config(args.reward_model, "--reward-model", args.trust_remote_code)
-    plumbing.check_positions(args.sft_model, args.max_prompt_len + args.max_new_tokens, f"--max-prompt-len "
-                             f"{args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}", args.trust_remote_code)
+    plumbing.check_positions(AutoConfig.from_pretrained(args.sft_model, trust_remote_code=args.trust_remote_code),
+                             args.max_prompt_len + args.max_new_tokens,
+                             f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}")
 
     # The SFT tokenizer pads on the left, so that every prompt ends where its response starts; a reward model with a
     # tokenizer of its own reads each prompt + response as text tokenized again, as in ppo.py.

@@ -758,9 +758,9 @@ def check_models(args: Args, is_main: bool):
     tokenizer, reward_tokenizer = plumbing.check_tokens(args.actor_model_name_or_path, "--actor-model-name-or-path",
                                                         args.reward_model_name_or_path, "--reward-model-name-or-path",
                                                         critics, args.trust_remote_code)
-    plumbing.check_positions(args.actor_model_name_or_path, args.max_prompt_len + args.max_new_tokens,
-                             f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}",
-                             args.trust_remote_code)
+    actor_config = AutoConfig.from_pretrained(args.actor_model_name_or_path, trust_remote_code=args.trust_remote_code)
+    plumbing.check_positions(actor_config, args.max_prompt_len + args.max_new_tokens,
+                             f"--max-prompt-len {args.max_prompt_len} + --max-new-tokens {args.max_new_tokens}")
     reward_config = plumbing.check_classifier_config(args.reward_model_name_or_path, "--reward-model-name-or-path",
                                                      args.trust_remote_code)
     return tokenizer, reward_tokenizer, reward_config

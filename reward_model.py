@@ -206,13 +206,9 @@ def main(args: Args) -> None:
     ds_config = deepspeed_config(args)
     hf_ds_config = HfDeepSpeedConfig(ds_config) if args.zero_stage == 3 else None  # noqa: F841
     config = plumbing.model_config(args.model_name_or_path, args.disable_dropout, args.trust_remote_code, num_labels=1)
-    if args.max_seq_len > getattr(config, "max_position_embeddings", args.max_seq_len):
-        plumbing.fail(f"--max-seq-len {args.max_seq_len} is longer than the model's {config.max_position_embeddings} "
-                      "positions; lower it")
-    if args.max_seq_len + args.max_new_tokens > getattr(config, "max_position_embeddings", float("inf")):
-        plumbing.fail(f"--max-seq-len {args.max_seq_len} + --max-new-tokens {args.max_new_tokens} (a training prompt "
-                      f"and a sampled response) is longer than the model's {config.max_position_embeddings} "
-                      "positions; lower them")
+    plumbing.check_positions(config, args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
+    plumbing.check_positions(config, args.max_seq_len + args.max_new_tokens, f"--max-seq-len {args.max_seq_len} + "
+                             f"--max-new-tokens {args.max_new_tokens} (a training prompt and a sampled response)")
     # Loaded in the precision it trains in, not in the checkpoint's (transformers would keep an fp16 checkpoint in
     # fp16 in an fp32 run).
     dtype = plumbing.TORCH_DTYPES[args.dtype]

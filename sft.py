@@ -166,9 +166,7 @@ def main(args: Args) -> None:
 
     # Model
     config = plumbing.model_config(args.model_name_or_path, args.disable_dropout, args.trust_remote_code)
-    if args.max_seq_len > getattr(config, "max_position_embeddings", args.max_seq_len):
-        plumbing.fail(f"--max-seq-len {args.max_seq_len} is longer than the model's {config.max_position_embeddings} "
-                      "positions; lower it")
+    plumbing.check_positions(config, args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     # Under ZeRO-3, HfDeepSpeedConfig (kept alive until deepspeed.initialize) makes from_pretrained load the weights
     # already partitioned across ranks, so no rank ever holds the whole model.
     ds_config = deepspeed_config(args)

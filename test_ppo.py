@@ -1136,6 +1136,9 @@ def test_evaluate(stages, wrong, tmp_path, monkeypatch):
                             ("critic", "was saved by ppo.py (a trained actor or critic, says its training_run.json)")]:
         flags[flags.index("--reward-model") + 1] = str(wrong / folder)
         assert message in run_in_process("evaluate.py", flags)
+    flags[flags.index("--reward-model") + 1], flags[flags.index("--max-new-tokens") + 1] = stages[3], "200"
+    assert "--max-prompt-len 32 + --max-new-tokens 200 is longer than the model's 128 positions; lower them" in \
+        run_in_process("evaluate.py", flags)
     read_metrics(exp_name)
 
 

@@ -523,6 +523,9 @@ def test_reward_model_bad_input(bad, tmp_path, capsys):
     ])
     check_errors("reward_model.py", [*FEW_STEPS, "--model-name-or-path", BASE_MODEL], [
         (["--rejected-column", "worse"], "has no column ['worse']"),
+        (["--max-seq-len", "1000"], "--max-seq-len 1000 is longer than the model's 128 positions; lower it"),
+        (["--max-new-tokens", "100"], "--max-seq-len 64 + --max-new-tokens 100 (a training prompt and a sampled "
+                                      "response) is longer than the model's 128 positions; lower them"),
         (["--output-dir", BASE_MODEL], "is or holds --model-name-or-path"),
         (["--output-dir", str(bad / "a_file")], "a_file' is a file; name a folder"),
         (["--model-name-or-path", str(bad / "pickle_only")],

@@ -106,12 +106,12 @@ def load_generating_tokenizer(path: str, flag: str, trust_remote_code: bool):
              f"it, as a model saved by sft.py has; check {flag}")
     return tokenizer
 
-def check_positions(path: str, length: int, what: str, trust_remote_code: bool) -> None:
-    """Sequences of LENGTH tokens (WHAT: the flags that make it) fit the positions of the model at PATH."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+def check_positions(config, length: int, what: str) -> None:
+    """Sequences of LENGTH tokens (WHAT: the flag, or the flags' sum, that makes it) fit the positions of a model of
+    this CONFIG."""
     positions = getattr(config, "max_position_embeddings", length)
     if length > positions:
-        fail(f"{what} is longer than the model's {positions} positions; lower them")
+        fail(f"{what} is longer than the model's {positions} positions; lower {'them' if ' + ' in what else 'it'}")
 
 def check_classifier_config(path: str, flag: str, trust_remote_code: bool):
     """The config of a 1-label AutoModelForSequenceClassification (a scalar score), or one line naming FLAG: not a
